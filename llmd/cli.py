@@ -1,0 +1,54 @@
+"""The `llmd` command line: one entry point, one subcommand per area (spec, demo, bench, engine, launch, ...).
+
+Each area registers its own subparser through a `register(subparsers)` function, so adding a command is one import
+here and a small module next to the code it drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from llmd import __version__
+from llmd.errors import UserError
+
+Registrar = Callable[[argparse._SubParsersAction], None]
+
+
+def _registrars() -> list[Registrar]:
+    # Imported lazily so `llmd --help` stays fast and a missing optional dependency breaks only its own command.
+    from llmd.models import cli as model_cli
+    from llmd.spec import cli as spec_cli
+
+    return [spec_cli.register, model_cli.register]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmd", description="Serve LLMs for agentic workloads on Slurm, the llm-d way."
+    )
+    parser.add_argument("--version", action="version", version=f"llmd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for register in _registrars():
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        # A user mistake gets one clear message, never a traceback.
+        print(f"llmd: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("llmd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""llmd's block hasher against vLLM's own hashing code, and its incremental form against the full one."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmd.kv.hashing import HASH_ALGOS, BlockHasher, block_extra_keys, event_hash, to_event_extra_keys
+
+tokens_st = st.lists(st.integers(min_value=0, max_value=200_000), max_size=400)
+
+
+@pytest.fixture(scope="module")
+def vllm_hashing():
+    """vLLM's own functions, when the full install is present (the golden-event tests cover the light install)."""
+    kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    hashing = pytest.importorskip("vllm.utils.hashing")
+    return kcu, hashing
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("seed", [None, "0", "1234"])
+def test_matches_vllm_hash_block_tokens(vllm_hashing, monkeypatch, algo, seed) -> None:
+    kcu, hashing = vllm_hashing
+    if seed is None and algo.startswith("xxhash"):
+        pytest.skip("vLLM seeds xxhash randomly per process without PYTHONHASHSEED (tested below)")
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    fn = hashing.get_hash_fn_by_name(algo)
+    kcu.init_none_hash(fn)
+    ours = BlockHasher(block_size=16, algo=algo, seed=seed)
+    assert ours.none_hash == kcu.NONE_HASH
+    tokens = list(range(7, 7 + 16 * 5 + 3))
+    parent = None
+    expected = []
+    for i in range(5):
+        extra = (("cache_salt", "s1"),) if i == 0 else None
+        parent = kcu.hash_block_tokens(fn, parent, tokens[i * 16 : (i + 1) * 16], extra)
+        expected.append(parent)
+    assert ours.hash_tokens(tokens, cache_salt="s1") == expected
+    assert [event_hash(h) for h in expected] == ours.event_hashes(tokens, cache_salt="s1")
+    # The event form is exactly vLLM's conversion.
+    assert [kcu.maybe_convert_block_hash(h) for h in expected] == ours.event_hashes(tokens, cache_salt="s1")
+
+
+def test_xxhash_without_seed_is_refused_with_the_fix_named() -> None:
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        BlockHasher(block_size=16, algo="xxhash")
+    with pytest.raises(ValueError, match="expected one of sha256"):
+        BlockHasher(block_size=16, algo="md5")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=tokens_st,
+    split=st.integers(min_value=0, max_value=400),
+    algo=st.sampled_from(HASH_ALGOS),
+    salt=st.sampled_from([None, "", "tenant"]),
+)
+def test_incremental_equals_full(tokens, split, algo, salt) -> None:
+    h = BlockHasher(block_size=8, algo=algo, seed="3")
+    full = h.hash_tokens(tokens, cache_salt=salt)
+    head = h.hash_tokens(tokens[: min(split, len(tokens))], cache_salt=salt)
+    assert h.hash_tokens(tokens, head, cache_salt=salt) == full
+    assert len(full) == len(tokens) // 8
+
+
+def test_only_full_blocks_are_hashed_and_chain_depends_on_everything_before() -> None:
+    h = BlockHasher(block_size=4)
+    assert h.hash_tokens([1, 2, 3]) == []
+    a = h.hash_tokens([1, 2, 3, 4, 5, 6, 7, 8])
+    b = h.hash_tokens([9, 2, 3, 4, 5, 6, 7, 8])
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same second block, different parent
+    assert h.hash_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]) == a
+
+
+def test_cache_salt_enters_the_first_block_and_lora_every_block() -> None:
+    assert block_extra_keys(0, cache_salt="s") == (("cache_salt", "s"),)
+    assert block_extra_keys(1, cache_salt="s") is None
+    assert block_extra_keys(2, lora=("ad", "/p")) == (("lora", "ad", "/p"),)
+    assert block_extra_keys(0, cache_salt="s", lora=("ad", "/p")) == (("lora", "ad", "/p"), ("cache_salt", "s"))
+    assert to_event_extra_keys((("lora", "ad", "/p"), ("cache_salt", "s"))) == ("ad", "s")
+    h = BlockHasher(block_size=4)
+    plain, salted = h.hash_tokens(list(range(8))), h.hash_tokens(list(range(8)), cache_salt="s")
+    assert plain[0] != salted[0] and plain[1] != salted[1]
+
+
+def test_seed_changes_every_hash_and_event_hash_is_low_64_bits() -> None:
+    a, b = BlockHasher(4, seed=None), BlockHasher(4, seed="1")
+    assert a.hash_tokens([1, 2, 3, 4]) != b.hash_tokens([1, 2, 3, 4])
+    digest = bytes(range(32))
+    assert event_hash(digest) == int.from_bytes(digest[-8:], "big")
+    assert event_hash(2**70 + 5) == 5
+
+
+def test_prefix_longer_than_the_tokens_is_an_error() -> None:
+    h = BlockHasher(4)
+    with pytest.raises(ValueError, match="full blocks"):
+        h.hash_tokens([1, 2, 3, 4], prefix=[b"x", b"y"])
