@@ -18,10 +18,12 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 
 def _registrars() -> list[Registrar]:
     # Imported lazily so `llmd --help` stays fast and a missing optional dependency breaks only its own command.
+    from llmd import demo
+    from llmd.engines.sim import cli as sim_cli
     from llmd.models import cli as model_cli
     from llmd.spec import cli as spec_cli
 
-    return [spec_cli.register, model_cli.register]
+    return [spec_cli.register, model_cli.register, sim_cli.register, demo.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,399 @@
+"""vLLM v1's KV block pool and prefix cache, small: ref-counted GPU blocks, a hash->block map, an LRU free queue, the
+KV events vLLM publishes, and an optional write-through CPU tier (vLLM's native OffloadingConnector).
+
+Semantics follow vllm/v1/core/block_pool.py, kv_cache_utils.py (FreeKVCacheBlockQueue), kv_cache_manager.py and
+single_type_kv_cache_manager.py (FullAttentionManager) of vLLM 0.32:
+- block 0 is vLLM's null block: never handed out, so `num_gpu_blocks` means what vLLM's "# GPU blocks" means and
+  usage is `1 - free / (num_gpu_blocks - 1)`;
+- blocks are cached (and BlockStored published) when they are *scheduled* full, not when computed, exactly as
+  `allocate_slots` caches `min(computed + new, num_tokens)` tokens;
+- a freed request's blocks go back in reverse order; hashed ones to the tail of the free queue (LRU), unhashed ones to
+  its head (reused first); a prefix hit takes its blocks out of the free queue; eviction happens when a free block
+  that still has a hash is handed out, one BlockRemoved per block;
+- the same hash may be cached in several blocks (a block-aligned prompt recomputes its last block), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import islice
+from typing import Any
+
+from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+from .request import SimRequest
+
+MASK64 = (1 << 64) - 1
+GPU = "GPU"
+CPU = "CPU"
+
+
+def _h64(h: bytes) -> int:
+    return int.from_bytes(h, "big") & MASK64
+
+
+class KVCacheManager:
+    """GPU block pool + prefix cache (+ CPU tier). Block ids index parallel lists: cheaper than block objects."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        kv_cache_spec_kind: str | None = "full_attention",
+        cpu_events_self_describing: bool = False,
+        drop_last_hit_block: bool = False,
+    ) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be >= 2 (block 0 is the null block)")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self.spec_kind = kv_cache_spec_kind
+        # vLLM drops the last hit block under EAGLE/MTP so the drafter sees its inputs recomputed.
+        self.drop_last_hit_block = drop_last_hit_block
+        self.ref_cnt = [0] * num_gpu_blocks
+        self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
+        # Insertion order = eviction order (front evicted first). OrderedDict gives O(1) removal from the middle.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_gpu_blocks))
+        # hash -> block id, or {block id: None} when several blocks hold the same hash (rare; first one serves hits).
+        self.cached: dict[bytes, int | dict[int, None]] = {}
+        self.events: list[KVCacheEvent] = []
+
+        self.cpu_capacity = num_cpu_blocks
+        self.cpu_self_describing = cpu_events_self_describing
+        # CPU tier: hash -> (parent hash, token ids) for self-describing events, else None. LRU order.
+        self.cpu: OrderedDict[bytes, tuple[bytes | None, list[int]] | None] = OrderedDict()
+        # Store jobs of this step, written to the CPU tier after the step (write-through, as vLLM offloads).
+        self._cpu_jobs: list[list[tuple[bytes, tuple[bytes | None, list[int]] | None]]] = []
+
+        # vLLM's PrefixCacheStats (tokens): requests never preempted, preempted ones apart; connector stats apart.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.preempted_prefix_cache_queries = 0
+        self.preempted_prefix_cache_hits = 0
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        self.cpu_hit_tokens = 0
+        self.cpu_stored_blocks = 0
+        self.cpu_evicted_blocks = 0
+        self.gpu_evicted_blocks = 0
+
+    # --- state ------------------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc (a fraction): blocks held by requests, the null block excluded."""
+        return 1.0 - len(self.free_queue) / (self.num_gpu_blocks - 1)
+
+    @property
+    def cpu_usage(self) -> float:
+        return len(self.cpu) / self.cpu_capacity if self.cpu_capacity else 0.0
+
+    def take_events(self) -> list[KVCacheEvent]:
+        ev = self.events
+        self.events = []
+        return ev
+
+    # --- prefix lookup ----------------------------------------------------------------------------------------------
+    def get_computed_blocks(self, req: SimRequest) -> tuple[list[int], int, int]:
+        """Longest cached prefix of full blocks: (GPU blocks, GPU hit tokens, CPU-tier tokens continuing it).
+
+        Never the whole sequence: the last token is always recomputed to get logits (max hit = num_tokens - 1), which
+        can cost a whole block when the prompt is block aligned.
+        """
+        bs = self.block_size
+        hashes = req.block_hashes
+        max_blocks = min((req.num_tokens - 1) // bs, len(hashes))
+        cached = self.cached
+        blocks: list[int] = []
+        for i in range(max_blocks):
+            v = cached.get(hashes[i])
+            if v is None:
+                break
+            blocks.append(v if type(v) is int else next(iter(v)))
+        n_gpu = len(blocks)
+        j = n_gpu
+        if self.cpu_capacity:
+            cpu = self.cpu
+            while j < max_blocks and hashes[j] in cpu:
+                j += 1
+        if self.drop_last_hit_block and j > 0:
+            if j > n_gpu:
+                j -= 1
+            else:
+                blocks.pop()
+                n_gpu -= 1
+                j = n_gpu
+        if j > n_gpu:
+            cpu = self.cpu
+            for h in hashes[n_gpu:j]:
+                cpu.move_to_end(h)  # a hit refreshes the CPU LRU
+        return blocks, n_gpu * bs, (j - n_gpu) * bs
+
+    def lookup_cached(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `block_hashes` this engine holds (GPU cache or CPU tier): serves P2P pulls."""
+        cached = self.cached
+        cpu = self.cpu
+        n = 0
+        for h in block_hashes:
+            if h not in cached and h not in cpu:
+                break
+            n += 1
+        return n
+
+    def record_prefix_cache_stats(
+        self, req: SimRequest, local_hit_tokens: int, external_hit_tokens: int, has_connector: bool
+    ) -> None:
+        """At admission, as vLLM: queries are the request's tokens; connector queries what the local hit left."""
+        if req.num_preemptions > 0:
+            # vLLM files re-admissions apart (preempted_*), outside vllm:prefix_cache_* and the connector counters.
+            self.preempted_prefix_cache_queries += req.num_tokens
+            self.preempted_prefix_cache_hits += local_hit_tokens
+            return
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += local_hit_tokens
+        q = req.num_tokens - local_hit_tokens
+        if has_connector and q:
+            self.external_prefix_cache_queries += q
+            self.external_prefix_cache_hits += external_hit_tokens
+
+    # --- allocation -------------------------------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        req: SimRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_external_tokens: int = 0,
+        delay_cache: bool = False,
+        reserved_blocks: int = 0,
+    ) -> bool:
+        """Gives `req` slots for `num_new_tokens` more tokens (after its hits); False if the pool is too short.
+
+        `new_computed_blocks` are prefix hits (first allocation only); `num_external_tokens` follow them and arrive
+        from elsewhere (CPU tier, a pull). `delay_cache` leaves caching to whoever completes a pull, as vLLM does.
+        `reserved_blocks` must stay free afterwards (what in-flight prefills still need).
+        """
+        bs = self.block_size
+        num_hit = len(new_computed_blocks)
+        total = req.num_computed_tokens + num_hit * bs + num_external_tokens
+        need = total + num_new_tokens
+        n_new = (need + bs - 1) // bs - len(req.block_ids) - num_hit
+        if n_new > 0 or num_hit:
+            ref_cnt = self.ref_cnt
+            # A hit block sitting in the free queue leaves it when touched: it counts against the free blocks.
+            n_evictable = sum(1 for b in new_computed_blocks if ref_cnt[b] == 0)
+            if max(n_new, 0) + n_evictable + reserved_blocks > len(self.free_queue):
+                return False
+            if num_hit:
+                free = self.free_queue
+                for b in new_computed_blocks:
+                    if ref_cnt[b] == 0:
+                        del free[b]
+                    ref_cnt[b] += 1
+                req.block_ids.extend(new_computed_blocks)
+                req.num_cached_blocks = len(req.block_ids)
+            if n_new > 0:
+                req.block_ids.extend(self._get_new_blocks(n_new))
+        if not delay_cache:
+            n_cache = min(need, req.num_tokens)
+            if n_cache // bs > req.num_cached_blocks:
+                self.cache_blocks(req, n_cache)
+        return True
+
+    def _get_new_blocks(self, n: int) -> list[int]:
+        free = self.free_queue
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        out = []
+        for _ in range(n):
+            b = free.popitem(last=False)[0]
+            h = block_hash[b]
+            if h is not None:
+                self._evict(b, h)
+            ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: int, h: bytes) -> None:
+        v = self.cached.get(h)
+        if v is not None:
+            if type(v) is int:
+                if v == b:
+                    del self.cached[h]
+            else:
+                v.pop(b, None)
+                if len(v) == 1:
+                    self.cached[h] = next(iter(v))
+        self.block_hash[b] = None
+        self.gpu_evicted_blocks += 1
+        self.events.append(BlockRemoved([_h64(h)], GPU, 0))
+
+    def cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """Caches the request's full blocks up to `num_tokens` and publishes them in one BlockStored."""
+        bs = self.block_size
+        start = req.num_cached_blocks
+        n_full = min(num_tokens // bs, len(req.block_hashes))
+        if start >= n_full:
+            return
+        hashes = req.block_hashes
+        blocks = req.block_ids
+        cached = self.cached
+        block_hash = self.block_hash
+        ev_hashes = []
+        for i in range(start, n_full):
+            b = blocks[i]
+            h = hashes[i]
+            if block_hash[b] is None:
+                block_hash[b] = h
+                v = cached.get(h)
+                if v is None:
+                    cached[h] = b
+                elif type(v) is int:
+                    if v != b:
+                        cached[h] = {v: None, b: None}
+                else:
+                    v[b] = None
+            ev_hashes.append(_h64(h))
+        salt = req.cache_salt
+        extra_keys: list[tuple[Any, ...] | None] = [None] * (n_full - start)
+        if salt and start == 0:
+            extra_keys[0] = (salt,)
+        tokens = req.tokens(start * bs, n_full * bs)
+        self.events.append(
+            BlockStored(
+                ev_hashes,
+                _h64(hashes[start - 1]) if start else None,
+                tokens,
+                bs,
+                None,
+                GPU,
+                None,
+                extra_keys,
+                0,
+                self.spec_kind,
+            )
+        )
+        req.num_cached_blocks = n_full
+        if self.cpu_capacity:
+            if self.cpu_self_describing:
+                job = []
+                for k, i in enumerate(range(start, n_full)):
+                    job.append((hashes[i], (hashes[i - 1] if i else None, tokens[k * bs : (k + 1) * bs])))
+            else:
+                job = [(hashes[i], None) for i in range(start, n_full)]
+            self._cpu_jobs.append(job)
+
+    # --- freeing ----------------------------------------------------------------------------------------------------
+    def free(self, req: SimRequest) -> None:
+        """Returns the request's blocks, tail first, so a finished request's tail blocks are evicted first."""
+        blocks = req.block_ids
+        req.block_ids = []
+        req.num_cached_blocks = 0
+        if blocks:
+            self.free_blocks(reversed(blocks))
+
+    def free_blocks(self, ordered: Any) -> None:
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        first: list[int] = []
+        free = self.free_queue
+        for b in ordered:
+            rc = ref_cnt[b] - 1
+            ref_cnt[b] = rc
+            if rc == 0:
+                if block_hash[b] is None:
+                    first.append(b)
+                else:
+                    free[b] = None  # cached blocks join the tail: least recently used goes first
+        for b in reversed(first):
+            # Unhashed blocks can never serve a hit: put them at the head, in order, to be reused first.
+            free[b] = None
+            free.move_to_end(b, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached hash and publishes AllBlocksCleared; refused (False) while any block is in use."""
+        if len(self.free_queue) != self.num_gpu_blocks - 1:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_gpu_blocks
+        self.events.append(AllBlocksCleared())
+        return True
+
+    # --- CPU tier ---------------------------------------------------------------------------------------------------
+    def flush_cpu_stores(self) -> None:
+        """Writes this step's newly cached blocks to the CPU tier, as the offloading connector does after a step.
+
+        Per store job: blocks already there are skipped; LRU victims make room (one BlockRemoved "CPU" per job); a job
+        that cannot fit is dropped whole (vLLM's prepare_store returns None). Stored blocks are published with vLLM's
+        default placeholder payload (hash only), or the full payload when `cpu_events_self_describing`.
+        """
+        jobs = self._cpu_jobs
+        if not jobs:
+            return
+        self._cpu_jobs = []
+        cpu = self.cpu
+        cap = self.cpu_capacity
+        events = self.events
+        bs = self.block_size
+        for job in jobs:
+            keys = [(h, meta) for h, meta in job if h not in cpu]
+            if not keys:
+                continue
+            n_evict = len(cpu) + len(keys) - cap
+            if n_evict > 0:
+                if len(keys) > cap:
+                    continue
+                # The job's blocks already in the tier must stay (vLLM protects them): look past at most those.
+                protected = {h for h, _ in job}
+                victims = [h for h in islice(cpu, n_evict + len(job) - len(keys)) if h not in protected][:n_evict]
+                for h in victims:
+                    del cpu[h]
+                evicted = [_h64(h) for h in victims]
+                self.cpu_evicted_blocks += len(evicted)
+                events.append(BlockRemoved(evicted, CPU, 0))
+            for h, meta in keys:
+                cpu[h] = meta
+                if meta is None:
+                    events.append(BlockStored([_h64(h)], None, [], 0, None, CPU, None, None, 0))
+                else:
+                    parent, tokens = meta  # vLLM defers extra keys on CPU events: published as None
+                    events.append(
+                        BlockStored(
+                            [_h64(h)],
+                            None if parent is None else _h64(parent),
+                            tokens,
+                            bs,
+                            None,
+                            CPU,
+                            None,
+                            None,
+                            0,
+                            self.spec_kind,
+                        )
+                    )
+            self.cpu_stored_blocks += len(keys)
+
+    # --- invariants (tests) -----------------------------------------------------------------------------------------
+    def check_invariants(self, live: Sequence[SimRequest]) -> None:
+        """Ref counts equal the number of live requests holding each block; free = blocks with ref 0 (not block 0)."""
+        expect = [0] * self.num_gpu_blocks
+        for r in live:
+            for b in r.block_ids:
+                expect[b] += 1
+        assert expect[0] == 0, "the null block was handed out"
+        assert expect == self.ref_cnt, "ref counts disagree with the requests holding blocks"
+        free = {b for b in range(1, self.num_gpu_blocks) if expect[b] == 0}
+        assert free == set(self.free_queue), "free queue disagrees with ref counts"
+        for h, v in self.cached.items():
+            ids = [v] if type(v) is int else list(v)
+            for b in ids:
+                assert self.block_hash[b] == h, "cached map points at a block with another hash"
+        n_hashed = sum(1 for h in self.block_hash if h is not None)
+        n_mapped = sum(1 if type(v) is int else len(v) for v in self.cached.values())
+        assert n_hashed == n_mapped, "hashed blocks and cache map entries differ"
+        assert len(self.cpu) <= self.cpu_capacity

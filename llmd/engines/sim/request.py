@@ -1,0 +1,166 @@
+"""One request inside the simulated engine: its tokens, block hashes, KV blocks and lifecycle, as vLLM's v1 Request.
+
+The simulated model never emits EOS (or any stop token) by itself: it generates exactly `max_tokens` tokens, or fewer
+when the sequence reaches `max_model_len`, so every natural finish is "length". `eos_token_id` is kept only so the
+server can echo it; "stop" is a valid finish reason for callers that stop a request on their own terms.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmd.kv.hashing import BlockHasher
+
+
+class RequestStatus(enum.IntEnum):
+    """vLLM's RequestStatus subset; anything after PREEMPTED is finished (same ordering trick as vLLM)."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.StrEnum):
+    """OpenAI finish_reason strings, as vLLM maps its finished statuses."""
+
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class TokenSampler:
+    """Draws token ids uniformly from [0, vocab_size) minus the special ids: the model's 'text'."""
+
+    __slots__ = ("n", "specials")
+
+    def __init__(self, vocab_size: int, special_token_ids: Sequence[int] = ()) -> None:
+        self.specials = sorted({t for t in special_token_ids if 0 <= t < vocab_size})
+        self.n = vocab_size - len(self.specials)
+        if self.n <= 0:
+            raise ValueError("vocab_size leaves no ordinary tokens once the special token ids are removed")
+
+    def draw(self, rng: random.Random) -> int:
+        t = int(rng.random() * self.n)
+        # Shift past every special id at or below t: maps [0, n) onto the vocab without the specials.
+        for s in self.specials:
+            if t >= s:
+                t += 1
+            else:
+                break
+        return t
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """A generation request. The caller fills the first block of fields; the engine owns the rest.
+
+    `output_script` replays given output token ids instead of random ones (trace replay, golden tests); past its end
+    the random tokens resume.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    output_script: Sequence[int] | None = None
+
+    # --- engine-owned state -------------------------------------------------------------------------------------
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    num_tokens: int = field(default=0, init=False)  # prompt + output, kept current (read several times per step)
+    num_computed_tokens: int = field(default=0, init=False)
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    # Chained full-block hashes over prompt + output, extended as tokens are appended (vLLM's request block hasher).
+    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    # Prefix-cache hit tokens at first scheduling (local + CPU tier + pulled); -1 until then, as vLLM reports.
+    num_cached_tokens: int = field(default=-1, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    finished_time: float | None = field(default=None, init=False)
+    # KV blocks, in sequence order, and how many leading ones are already in the prefix cache (vLLM keeps both in
+    # its single-type manager; here they live on the request to save a dict lookup per step).
+    block_ids: list[int] = field(default_factory=list, init=False)
+    num_cached_blocks: int = field(default=0, init=False)
+    # P/D and P2P: a pull still to be done at first admission (vLLM flips do_remote_prefill off once it is handled).
+    pull_pending: bool = field(default=False, init=False)
+    # Tokens of this request's prompt that will arrive by pull, and the local hit they continue (for finish_pull).
+    pull_tokens: int = field(default=0, init=False)
+    pull_local_tokens: int = field(default=0, init=False)
+    rng: random.Random | None = field(default=None, init=False, repr=False)
+    hasher: BlockHasher | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without materialising the concatenation."""
+        p = self.prompt_token_ids
+        n = len(p)
+        if end <= n:
+            return p[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return p[start:] + self.output_token_ids[: end - n]
+
+    def init_engine_state(self, hasher: BlockHasher, rng: random.Random) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.hasher = hasher
+        self.rng = rng
+        self.block_hashes = hasher.hash_tokens(self.prompt_token_ids, cache_salt=self.cache_salt)
+
+    def append_output(self, token_ids: list[int]) -> None:
+        """Appends sampled tokens and hashes every block they complete (per block, not per token)."""
+        self.output_token_ids.extend(token_ids)
+        self.num_tokens = n = len(self.prompt_token_ids) + len(self.output_token_ids)
+        hasher = self.hasher
+        hashes = self.block_hashes
+        bs = hasher.block_size
+        n_full = n // bs
+        while len(hashes) < n_full:
+            i = len(hashes)
+            extra = (("cache_salt", self.cache_salt),) if i == 0 and self.cache_salt else None
+            hashes.append(hasher.hash_block(hashes[-1] if hashes else None, self.tokens(i * bs, (i + 1) * bs), extra))
+
+    def draw_tokens(self, n: int, sampler: TokenSampler) -> list[int]:
+        script = self.output_script
+        if script is None:
+            draw = sampler.draw
+            rng = self.rng
+            return [draw(rng)] if n == 1 else [draw(rng) for _ in range(n)]
+        k = len(self.output_token_ids)
+        out = list(script[k : k + n])
+        rng = self.rng
+        while len(out) < n:
+            out.append(sampler.draw(rng))
+        return out
