@@ -669,12 +669,7 @@ def test_cli_builds_config_from_spec_defaults_and_flags(model_dir: Path) -> None
 
 
 # `llmd engine sim` as a process; llmd/cli.py wires `register` in, this drives the same entry point directly.
-_CLI = (
-    "import argparse, sys\n"
-    "from llmd.engines.sim import cli\n"
-    "p = argparse.ArgumentParser(); cli.register(p.add_subparsers())\n"
-    "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
-)
+_CLI = "import sys; from llmd.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def test_cli_process_serves_until_sigterm(model_dir: Path) -> None:
@@ -699,3 +694,77 @@ def test_cli_process_serves_until_sigterm(model_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_all_runs_every_replica_of_the_spec_in_one_process(model_dir: Path, tmp_path: Path) -> None:
+    """`--all`: every pool's replicas in one process, on the ports llmd.spec.layout gives them, events included."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from llmd.spec import load_spec
+    from llmd.spec.layout import engine_endpoints
+
+    base = free_ports(1) // 10 * 10
+    if base + 2400 > 65535:
+        base = 20000
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(
+        f"model:\n  path: {model_dir}\n"
+        f"prefill:\n  nodes: 1\n  port: {base}\n"
+        f"decode:\n  nodes: 2\n  replicas: 2\n  port: {base + 100}\n"
+    )
+    endpoints = engine_endpoints(load_spec(spec_file))
+    assert [(e.role, e.http_port) for e in endpoints] == [
+        ("prefill", base),
+        ("decode", base + 100),
+        ("decode", base + 101),
+    ]
+    cmd = [sys.executable, "-c", _CLI, "engine", "sim", "--all", "--spec", str(spec_file), "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in endpoints]
+        assert all("serving" in line for line in lines), (lines, proc.stderr.read() if proc.stderr else "")
+        for e in endpoints:
+            with urllib.request.urlopen(e.url + "/health", timeout=5) as r:
+                assert r.status == 200
+        # Each replica publishes KV events on its own layout port.
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://127.0.0.1:{endpoints[2].kv_events_port}")
+        try:
+            import time as _time
+
+            body = json.dumps(
+                {"model": load_spec(spec_file).model.served_name, "prompt": list(range(5, 200)), "max_tokens": 2}
+            ).encode()
+            decoded = None
+            deadline = _time.monotonic() + 10
+            while decoded is None and _time.monotonic() < deadline:
+                req = urllib.request.Request(
+                    endpoints[2].url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                )
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    assert r.status == 200
+                if sub.poll(500):
+                    decoded = KVEventDecoder().decode_frames(sub.recv_multipart())
+            assert decoded is not None and decoded.batch.events
+        finally:
+            sub.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_all_refuses_a_single_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from llmd.cli import main
+
+    assert main(["engine", "sim", "--all", "--port", "9000"]) == 2
+    assert "--all takes every port" in capsys.readouterr().err

@@ -66,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--trust-request-chat-template", action="store_true")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="run every replica of every pool of the spec in this process (ports from llmd.spec.layout)",
+    )
     p.set_defaults(func=run_sim)
 
 
@@ -82,17 +87,21 @@ _ENGINE_FLAGS = (
 )
 
 
-def build_config(args: argparse.Namespace) -> Any:
-    """The SimServerConfig the flags describe (spec defaults, then flags)."""
+def _load(args: argparse.Namespace) -> Any:
     from llmd.spec import DeploymentSpec, SpecError, load_spec
 
+    try:
+        return load_spec(args.spec) if args.spec else DeploymentSpec()
+    except SpecError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The SimServerConfig the flags describe (spec defaults, then flags)."""
     from .runner import FaultConfig
     from .server import SimServerConfig
 
-    try:
-        spec = load_spec(args.spec) if args.spec else DeploymentSpec()
-    except SpecError as exc:
-        raise UserError(str(exc)) from exc
+    spec = _load(args)
     role = args.role
     if role == "prefill" and not spec.disaggregated:
         raise UserError("--role prefill needs a spec with a prefill pool (prefill.nodes > 0); use --role decode/both")
@@ -145,14 +154,39 @@ def build_config(args: argparse.Namespace) -> Any:
     return replace(config, **server_kw)
 
 
+def build_all_configs(args: argparse.Namespace) -> list[Any]:
+    """One SimServerConfig per replica of every pool, each with the layout's ports and KV event endpoints."""
+    from llmd.spec.layout import engine_endpoints
+
+    configs = []
+    for ep in engine_endpoints(_load(args)):
+        one = argparse.Namespace(**vars(args))
+        one.role = ep.role
+        one.port = ep.http_port
+        one.name = ep.name
+        one.kv_events_endpoint = args.kv_events_endpoint or ep.kv_events_endpoint()
+        one.side_channel_port = ep.side_channel_port
+        configs.append(build_config(one))
+    return configs
+
+
 def run_sim(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.all:
+        if args.port is not None or args.kv_events_endpoint is not None:
+            raise UserError("--all takes every port from the spec's layout; drop --port/--kv-events-endpoint")
+        return asyncio.run(serve_many(build_all_configs(args)))
     config = build_config(args)
     return asyncio.run(serve(config))
 
 
 async def serve(config: Any) -> int:
     """Runs the server until SIGTERM/SIGINT (exit 0) or an injected crash (exit 1)."""
+    return await serve_many([config])
+
+
+async def serve_many(configs: list[Any]) -> int:
+    """Runs the servers in this event loop until SIGTERM/SIGINT (exit 0) or an injected crash of any (exit 1)."""
     from .server import SimServer
 
     loop = asyncio.get_running_loop()
@@ -165,20 +199,23 @@ async def serve(config: Any) -> int:
         stop.set()
 
     try:
-        server = SimServer(config, on_crash=crashed)
+        servers = [SimServer(config, on_crash=crashed) for config in configs]
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot start the simulated engine: {exc}") from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    started: list[Any] = []
     try:
-        try:
-            await server.start()
-        except OSError as exc:
-            raise UserError(f"cannot start the simulated engine: {exc}") from exc
-        print(f"simulated engine serving {server.served_name} on {server.url}", flush=True)
+        for server in servers:
+            try:
+                await server.start()
+            except OSError as exc:
+                raise UserError(f"cannot start the simulated engine {server.config.name or ''}: {exc}") from exc
+            started.append(server)
+            print(f"simulated engine serving {server.served_name} on {server.url}", flush=True)
         await stop.wait()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await server.stop()
+        await asyncio.gather(*(s.stop() for s in started), return_exceptions=True)
     return code

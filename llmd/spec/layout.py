@@ -1,0 +1,59 @@
+"""Where each engine of a deployment listens: one port convention shared by launchers, engines and the router.
+
+Per pool, replica r of a pool whose base port is P serves HTTP on P + r; its DP ranks publish KV events on
+P + 1000 + r * dp_size + rank (vLLM adds the rank to the configured endpoint's port itself) and answer KV pulls on the
+side channel P + 2000 + r * dp_size + rank. On a real cluster each replica sits on its own node(s), so the same numbers
+never collide; on one machine they don't either, because pools keep 100 ports apart (see the spec's defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmd.spec.model import DeploymentSpec
+
+KV_EVENTS_OFFSET = 1000
+SIDE_CHANNEL_OFFSET = 2000
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """One engine server (a replica: all its DP ranks) and the ports it uses."""
+
+    role: str
+    replica: int
+    host: str
+    http_port: int
+    dp_size: int
+    kv_events_port: int  # rank 0's; rank k publishes on kv_events_port + k
+    side_channel_port: int  # rank 0's; rank k answers on side_channel_port + k
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.replica}"
+
+    def kv_events_endpoint(self, bind: bool = True) -> str:
+        """The PUB endpoint: `tcp://*:P` makes the engine bind (the subscriber connects), as vLLM reads it."""
+        return f"tcp://{'*' if bind else self.host}:{self.kv_events_port}"
+
+
+def engine_endpoints(spec: DeploymentSpec, host: str = "127.0.0.1") -> list[EngineEndpoint]:
+    out = []
+    for role, pool in spec.pools.items():
+        for r in range(pool.replicas):
+            out.append(
+                EngineEndpoint(
+                    role=role,
+                    replica=r,
+                    host=host,
+                    http_port=pool.port + r,
+                    dp_size=pool.dp_size,
+                    kv_events_port=pool.port + KV_EVENTS_OFFSET + r * pool.dp_size,
+                    side_channel_port=pool.port + SIDE_CHANNEL_OFFSET + r * pool.dp_size,
+                )
+            )
+    return out
