@@ -1,0 +1,36 @@
+"""The picker: weighted sum of the scorers' scores, highest total wins, exact ties broken by the seeded RNG."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+# Totals this close are a tie: float sums of the same parts in another order differ in the last bits.
+TIE_EPS = 1e-9
+
+
+def weighted_totals(
+    n: int, columns: Sequence[tuple[str, float, Sequence[float]]]
+) -> tuple[list[float], list[dict[str, float]]]:
+    """`columns`: (scorer name, weight, its scores for the n candidates). Returns per candidate the total and its
+    parts (weight x score per scorer); each total is the sum of its parts in column order."""
+    parts: list[dict[str, float]] = [{} for _ in range(n)]
+    for name, weight, scores in columns:
+        for p, s in zip(parts, scores, strict=True):
+            p[name] = weight * s
+    return [sum(p.values()) for p in parts], parts
+
+
+def pick_max(totals: Sequence[float], rng: random.Random) -> int:
+    """Index of the highest total; among ties, a seeded-random one (the RNG is drawn only when there is a tie, so
+    untied decisions don't shift later draws)."""
+    if not totals:
+        raise ValueError("no candidates to pick from")
+    best = max(totals)
+    ties = [i for i, t in enumerate(totals) if t >= best - TIE_EPS]
+    return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+
+
+def pick_min(values: Sequence[float], rng: random.Random) -> int:
+    """Index of the lowest value, ties broken as in `pick_max`."""
+    return pick_max([-v for v in values], rng)

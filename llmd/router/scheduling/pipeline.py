@@ -1,0 +1,370 @@
+"""Policies -> pipelines, and the `Scheduler` the proxy and the simulator both call.
+
+A decode hop runs: filters (healthy, role, has-capacity) -> scorers (weighted, from the policy and RouterSpec.weights)
+-> picker; then P2P (move off an overloaded prefix holder) and the P/D decider (which runs the same pipeline over the
+prefill pool to choose the prefill endpoint). Policies:
+- precise: the precise prefix scorer under the "prefix" weight (KV index + speculative entries), plus the load
+  scorers as weighted; an "approximate-prefix" weight, if given, adds that scorer too.
+- approximate: the approximate prefix scorer under the "approximate-prefix" weight, or the "prefix" weight when that
+  is absent (so the default weights work for both policies); no engine state, no speculative entries, no P2P.
+- round-robin, least-loaded (fewest in-flight + waiting), random: no scorers; the KV index (when given) still
+  informs hit counts and the P/D decision.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from llmd.router.scheduling import filters
+from llmd.router.scheduling.approximate import ApproxPrefixCache
+from llmd.router.scheduling.pd import (
+    ConstantRateModel,
+    CostModel,
+    P2PChoice,
+    PDInputs,
+    decide_p2p,
+    decide_queue_aware,
+    decide_threshold,
+    endpoint_load,
+    overloaded,
+)
+from llmd.router.scheduling.picker import pick_max, pick_min, weighted_totals
+from llmd.router.scheduling.scorers import (
+    LOAD_AWARE_THRESHOLD,
+    TOKEN_LOAD_LIMIT,
+    ApproximatePrefixScorer,
+    KVUtilScorer,
+    LoadAwareScorer,
+    NoHitLRUScorer,
+    PrecisePrefixScorer,
+    PrefixHit,
+    QueueScorer,
+    Scorer,
+    ScoringContext,
+    TokenLoadScorer,
+)
+from llmd.router.scheduling.speculative import SpeculativeIndex
+from llmd.router.scheduling.state import (
+    Candidate,
+    Decision,
+    Endpoint,
+    EndpointScore,
+    Holder,
+    Hop,
+    NoEndpointError,
+    PDDecision,
+    RouteRequest,
+    Snapshot,
+)
+
+if TYPE_CHECKING:
+    from llmd.kv.index import KVIndex
+
+POLICIES = ("precise", "approximate", "round-robin", "least-loaded", "random")
+SCORER_NAMES = ("prefix", "approximate-prefix", "kv-util", "queue", "load-aware", "token-load", "no-hit-lru")
+_SCORING = frozenset({"precise", "approximate"})
+
+
+class RouterSettings(Protocol):
+    """The RouterSpec fields the scheduler reads (llmd.spec.model.RouterSpec fits)."""
+
+    policy: str
+    weights: Mapping[str, float]
+    tier_weights: Mapping[str, float]
+    pd_decider: str
+    pd_threshold: int
+    p2p: bool
+    max_inflight_per_pod: int
+    speculative_ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Knobs not in RouterSpec, with defaults that follow llm-d where it has one.
+
+    chunk_chars / chars_per_token: the approximate scorer's text chunks and how they map to KV blocks.
+    approx_default_gpu_blocks: its per-endpoint GPU capacity when the snapshot doesn't know it.
+    approx_cpu_tier: False sizes its LRU to the GPU tier only, as llm-d does (for comparisons).
+    p2p_max_waiting: engine queue length at which a prefix holder counts as overloaded (besides being full).
+    p2p_load_ratio: a P2P target's in-flight + waiting must be at most this share of the holder's.
+    token_budget: tokens per chunked-prefill step (vLLM's max_num_batched_tokens), for the queue-aware estimates.
+    """
+
+    chunk_chars: int = 256
+    chars_per_token: float = 4.0
+    approx_default_gpu_blocks: int = 100_000
+    approx_cpu_tier: bool = True
+    speculative_max_blocks: int = 1_000_000
+    load_aware_threshold: int = LOAD_AWARE_THRESHOLD
+    token_load_limit: int = TOKEN_LOAD_LIMIT
+    capacity_filter: bool = True
+    p2p_max_waiting: int = 16
+    p2p_load_ratio: float = 0.5
+    token_budget: int = 8192
+
+
+class Scheduler:
+    """The routing decision for each request, deterministic for a given seed and sequence of calls.
+
+    `latency`: the decode pool's cost model for the queue-aware P/D decider (a LatencyModel, or anything with
+    `prefill_time` and `kv_transfer_time`); `prefill_latency`: the prefill pool's (default: `latency`). Without
+    either the decider uses `ConstantRateModel`'s fixed token rates.
+    """
+
+    def __init__(
+        self,
+        config: RouterSettings,
+        seed: int = 0,
+        *,
+        latency: CostModel | None = None,
+        prefill_latency: CostModel | None = None,
+        tuning: Tuning | None = None,
+    ) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown router policy {config.policy!r}; expected one of {', '.join(POLICIES)}")
+        unknown = sorted(set(config.weights) - set(SCORER_NAMES))
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {', '.join(unknown)}; expected some of {', '.join(SCORER_NAMES)}")
+        if config.pd_decider not in ("threshold", "queue-aware"):
+            raise ValueError(f"unknown pd_decider {config.pd_decider!r}; expected threshold or queue-aware")
+        self.config = config
+        self.tuning = t = tuning or Tuning()
+        self.policy = config.policy
+        self.gpu_w = float(config.tier_weights.get("gpu", 1.0))
+        self.cpu_w = float(config.tier_weights.get("cpu", 0.8))
+        self.speculative = SpeculativeIndex(config.speculative_ttl_s, t.speculative_max_blocks)
+        self.approx_cache = ApproxPrefixCache(
+            t.chunk_chars, t.chars_per_token, t.approx_default_gpu_blocks, t.approx_cpu_tier
+        )
+        self.precise = PrecisePrefixScorer(self.speculative, self.gpu_w, self.cpu_w)
+        self.approximate = ApproximatePrefixScorer(self.approx_cache, self.gpu_w, self.cpu_w)
+        self.no_hit_lru = NoHitLRUScorer()
+        self.decode_model: CostModel = latency or ConstantRateModel()
+        self.prefill_model: CostModel = prefill_latency or self.decode_model
+        self.columns: tuple[tuple[str, float, Scorer], ...] = self._columns(config.weights)
+        names = {name for name, _, _ in self.columns}
+        # The prefix source behind hit counts, cold detection, P2P and P/D.
+        self._primary: PrecisePrefixScorer | ApproximatePrefixScorer = (
+            self.approximate if self.policy == "approximate" else self.precise
+        )
+        self._feed_speculative = self._primary is self.precise and config.speculative_ttl_s > 0
+        self._feed_approx = "approximate-prefix" in names
+        self._feed_no_hit = "no-hit-lru" in names
+        self._rng = random.Random(seed)
+        self._rr: dict[Hop, int] = {"decode": 0, "prefill": 0}
+        self._capacity: dict[Holder, tuple[int, int]] = {}  # (GPU, CPU) blocks, as last seen when routed to
+
+    def _columns(self, weights: Mapping[str, float]) -> tuple[tuple[str, float, Scorer], ...]:
+        if self.policy not in _SCORING:
+            return ()
+        t = self.tuning
+        w = dict(weights)
+        if self.policy == "approximate":
+            w["approximate-prefix"] = w.get("approximate-prefix", w.pop("prefix", 0.0))
+            w.pop("prefix", None)
+        make: dict[str, Scorer] = {
+            "prefix": self.precise,
+            "approximate-prefix": self.approximate,
+            "kv-util": KVUtilScorer(),
+            "queue": QueueScorer(),
+            "load-aware": LoadAwareScorer(t.load_aware_threshold),
+            "token-load": TokenLoadScorer(t.token_load_limit),
+            "no-hit-lru": self.no_hit_lru,
+        }
+        # Spec order, not the caller's dict order: the parts of a total are summed in one fixed order.
+        return tuple((name, float(w[name]), make[name]) for name in SCORER_NAMES if w.get(name, 0.0) > 0)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The scorers in effect and their weights (empty for the non-scoring policies)."""
+        return {name: weight for name, weight, _ in self.columns}
+
+    # --- scheduling ---------------------------------------------------------------------------------------------
+
+    def schedule(
+        self, req: RouteRequest, snapshot: Snapshot, index: KVIndex | None = None, now: float = 0.0
+    ) -> Decision:
+        """Choose the decode endpoint, and the prefill endpoint or P2P source if any. Raises NoEndpointError when no
+        healthy decode-capable endpoint exists. Reads `index`; advances the scheduler's RNG and round-robin position
+        and notes the chosen endpoints' KV capacity (learning from the decision is `observe_routed`'s job)."""
+        cfg = self.config
+        role_ok = filters.routable(snapshot.candidates, "decode")
+        if not role_ok:
+            raise NoEndpointError("no healthy decode endpoint")
+        cands = filters.has_capacity(role_ok, cfg.max_inflight_per_pod) if self.tuning.capacity_filter else role_ok
+        ctx = ScoringContext(req, now, index)
+        ctx.hits = hits = self._primary.hits(ctx)  # without an index: speculative entries alone
+        by = hits.by_holder
+        role_hits = [by.get(c.endpoint.holder) for c in role_ok]
+        ctx.cold = role_hits.count(None) == len(role_hits)
+
+        i, totals, parts = self._pick("decode", ctx, cands)
+        target = cands[i]
+        reason = self._reason(role_hits, by.get(target.endpoint.holder), ctx.cold)
+
+        p2p = None
+        if cfg.p2p and self.policy == "precise" and not ctx.cold and len(role_ok) > 1 and totals is not None:
+            p2p = self._p2p(i, cands, totals, role_ok, role_hits, by)
+            if p2p is not None:
+                i = p2p.target
+                target = cands[i]
+                reason = "p2p"
+        own = by.get(target.endpoint.holder)
+        gpu_t = own.gpu_tokens if own is not None else 0
+        cpu_t = own.cpu_tokens if own is not None else 0
+        pulled = p2p.pulled_tokens if p2p is not None else 0
+        expected = gpu_t + cpu_t + pulled
+        if req.num_tokens > 0:
+            expected = min(expected, req.num_tokens)
+
+        pd, pd_reason = (None, "p2p") if p2p else self._pd(req, snapshot, ctx, target, expected)
+        self._capacity[target.endpoint.holder] = (target.state.kv_capacity_blocks, target.state.cpu_capacity_blocks)
+        scores: dict[Endpoint, EndpointScore] = {}
+        if parts is not None and totals is not None:
+            scores = {c.endpoint: EndpointScore(tot, p) for c, tot, p in zip(cands, totals, parts, strict=True)}
+        return Decision(
+            target=target.endpoint,
+            reason=reason,
+            scores=scores,
+            expected_hit_tokens=expected,
+            gpu_hit_tokens=gpu_t,
+            cpu_hit_tokens=cpu_t,
+            p2p_tokens=pulled,
+            p2p_source=p2p.source if p2p else None,
+            pd=pd,
+            pd_reason=pd_reason,
+            cold=bool(ctx.cold),
+        )
+
+    def _pick(
+        self, hop: Hop, ctx: ScoringContext, cands: Sequence[Candidate]
+    ) -> tuple[int, list[float] | None, list[dict[str, float]] | None]:
+        """Index of the chosen candidate, with the totals and parts when the policy scores."""
+        policy = self.policy
+        if policy in _SCORING:
+            columns = [(name, weight, scorer.score(ctx, cands)) for name, weight, scorer in self.columns]
+            totals, parts = weighted_totals(len(cands), columns)
+            return pick_max(totals, self._rng), totals, parts
+        if policy == "round-robin":
+            n = self._rr[hop]
+            self._rr[hop] = n + 1
+            return n % len(cands), None, None
+        if policy == "least-loaded":
+            return pick_min([endpoint_load(c.state) for c in cands], self._rng), None, None
+        return self._rng.randrange(len(cands)), None, None
+
+    def _weighted(self, h: PrefixHit | None) -> float:
+        return h.gpu * self.gpu_w + h.cpu * self.cpu_w if h is not None else 0.0
+
+    def _reason(self, role_hits: Sequence[PrefixHit | None], target_hit: PrefixHit | None, cold: bool) -> str:
+        if len(role_hits) == 1:
+            return "only-healthy"
+        if self.policy not in _SCORING:
+            return self.policy
+        if cold:
+            return "cold"
+        mine = self._weighted(target_hit)
+        best = max(map(self._weighted, role_hits))
+        return "prefix-hit" if mine > 0 and mine >= best else "load"
+
+    def _p2p(
+        self,
+        i: int,
+        cands: Sequence[Candidate],
+        totals: Sequence[float],
+        role_ok: Sequence[Candidate],
+        role_hits: Sequence[PrefixHit | None],
+        by: Mapping[Holder, PrefixHit],
+    ) -> P2PChoice | None:
+        cfg = self.config
+        min_tokens = max(1, cfg.pd_threshold)
+        role_tokens = [h.tokens if h is not None else 0 for h in role_hits]
+        best = max(role_tokens)
+        if best < min_tokens:
+            return None
+        # The longest holder among every healthy decode endpoint, full ones included (they are the point); on a tie
+        # the picker's choice, then the least loaded.
+        ties = [k for k, t in enumerate(role_tokens) if t == best]
+        target_ep = cands[i].endpoint
+        holder = next((role_ok[k] for k in ties if role_ok[k].endpoint == target_ep), None)
+        if holder is None:
+            holder = min((role_ok[k] for k in ties), key=lambda c: endpoint_load(c.state))
+        if not overloaded(holder.state, cfg.max_inflight_per_pod, self.tuning.p2p_max_waiting):
+            return None  # the common case, decided before any per-candidate work
+        cand_tokens = [h.tokens if (h := by.get(c.endpoint.holder)) is not None else 0 for c in cands]
+        return decide_p2p(
+            i,
+            cands,
+            totals,
+            cand_tokens,
+            holder,
+            best,
+            min_tokens=min_tokens,
+            max_inflight=cfg.max_inflight_per_pod,
+            max_waiting=self.tuning.p2p_max_waiting,
+            load_ratio=self.tuning.p2p_load_ratio,
+        )
+
+    def _pd(
+        self, req: RouteRequest, snapshot: Snapshot, ctx: ScoringContext, target: Candidate, expected: int
+    ) -> tuple[PDDecision | None, str]:
+        cfg = self.config
+        pre_ok = filters.routable(snapshot.candidates, "prefill")
+        if not pre_ok:
+            return None, ""
+        if max(0, req.num_tokens - expected) < cfg.pd_threshold:
+            return None, "below-threshold"  # decided before choosing a prefill endpoint: that costs a scoring pass
+        pre = filters.has_capacity(pre_ok, cfg.max_inflight_per_pod) if self.tuning.capacity_filter else pre_ok
+        by = ctx.hits.by_holder if ctx.hits is not None else {}
+        pctx = ScoringContext(
+            req, ctx.now, ctx.index, ctx.hits, not any(c.endpoint.holder in by for c in pre_ok), ctx.memo
+        )
+        j, _, _ = self._pick("prefill", pctx, pre)
+        chosen = pre[j]
+        ph = by.get(chosen.endpoint.holder)
+        inp = PDInputs(target, chosen, req.num_tokens, expected, ph.tokens if ph is not None else 0)
+        if cfg.pd_decider == "queue-aware":
+            out = decide_queue_aware(
+                inp, cfg.pd_threshold, self.decode_model, self.prefill_model, self.tuning.token_budget
+            )
+        else:
+            out = decide_threshold(inp, cfg.pd_threshold)
+        if out[0] is not None:
+            self._capacity[chosen.endpoint.holder] = (
+                chosen.state.kv_capacity_blocks,
+                chosen.state.cpu_capacity_blocks,
+            )
+        return out
+
+    # --- learning -----------------------------------------------------------------------------------------------
+
+    def observe_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
+        """The request was sent as decided: remember it (speculative entries, the approximate LRU, the no-hit LRU).
+        With P/D both endpoints end up holding the prompt's KV, so both are recorded."""
+        holders = [decision.target.holder]
+        if decision.pd is not None:
+            holders.append(decision.pd.prefill.holder)
+        for holder in holders:
+            if self._feed_speculative:
+                self.speculative.insert(holder, req.block_hashes, now)
+            if self._feed_approx:
+                gpu, cpu = self._capacity.get(holder, (0, 0))
+                self.approx_cache.record(holder, req.text_chunk_hashes, gpu, cpu, req.block_size)
+        if decision.cold and self._feed_no_hit:
+            self.no_hit_lru.record_cold(decision.target.holder)
+            if decision.pd is not None:
+                self.no_hit_lru.record_cold(decision.pd.prefill.holder)
+
+    def forget_pod(self, pod: str) -> None:
+        """A pod left the fleet (or restarted empty): drop what the router remembered about it."""
+        self.speculative.forget_pod(pod)
+        self.approx_cache.forget_pod(pod)
+        self.no_hit_lru.forget_pod(pod)
+        for holder in [h for h in self._capacity if h[0] == pod]:
+            del self._capacity[holder]
+
+
+__all__ = ["POLICIES", "SCORER_NAMES", "RouterSettings", "Scheduler", "Tuning"]

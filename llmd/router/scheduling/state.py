@@ -1,0 +1,179 @@
+"""What the scheduler decides over and what it answers: endpoints, their state snapshot, the request, the decision.
+
+Plain frozen values built by the proxy (live) or the cluster simulator (offline); nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, NamedTuple
+
+Role = Literal["prefill", "decode", "both"]
+Hop = Literal["decode", "prefill"]
+Holder = tuple[str, int]
+
+# Which endpoint roles may serve each hop: "both" engines prefill for themselves and so serve the decode hop; the
+# prefill hop of a disaggregated request goes to the dedicated prefill pool only.
+HOP_ROLES: Mapping[Hop, frozenset[Role]] = MappingProxyType(
+    {"decode": frozenset({"decode", "both"}), "prefill": frozenset({"prefill"})}
+)
+
+
+class NoEndpointError(LookupError):
+    """No healthy endpoint can serve the hop; the proxy answers 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One routable engine DP rank. A pod serving several DP ranks appears once per rank, all with the same url
+    (the proxy adds `X-data-parallel-rank: <rank>` when `ranks > 1`). `node` names the host, so KV transfers between
+    endpoints on one node can be costed as NVLink rather than NIC (None: unknown, assume different nodes)."""
+
+    pod: str
+    dp_rank: int = 0
+    role: Role = "both"
+    url: str = ""
+    ranks: int = 1
+    node: str | None = None
+    # The KVIndex holder id `(pod, dp_rank)`, and the hash, computed once: scorers read them per endpoint per request.
+    holder: Holder = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "holder", (self.pod, self.dp_rank))
+        object.__setattr__(self, "_hash", hash((self.pod, self.dp_rank, self.role, self.url, self.ranks, self.node)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def name(self) -> str:
+        return f"{self.pod}/{self.dp_rank}" if self.ranks > 1 or self.dp_rank else self.pod
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One endpoint's load as last seen. Engine-side fields (waiting, running, kv_usage) come from scraped metrics;
+    router-side ones (inflight, inflight_tokens) from the proxy's own bookkeeping, so they are never stale.
+
+    inflight_tokens: uncached prompt tokens of the requests in flight (prefill work sent there).
+    kv_capacity_blocks / cpu_capacity_blocks: KV blocks in GPU / in the CPU tier (0: unknown / no CPU tier).
+    """
+
+    healthy: bool = True
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    inflight: int = 0
+    inflight_tokens: int = 0
+    kv_capacity_blocks: int = 0
+    cpu_capacity_blocks: int = 0
+    last_updated: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the scheduler needs to know about one request; hashes were computed upstream (llmd.tokens).
+
+    block_hashes: 64-bit engine-form hashes of the prompt's full blocks, in order (KVIndex keys).
+    text_chunk_hashes: chained hashes of fixed-size character chunks of the prompt text (approximate.text_chunk_hashes),
+    for the approximate scorer, which does not tokenize. Empty when the approximate scorer is not in use.
+    """
+
+    request_id: str
+    block_hashes: Sequence[int] = ()
+    num_tokens: int = 0
+    block_size: int = 64
+    session_id: str | None = None
+    text_chunk_hashes: Sequence[int] = ()
+    is_subagent: bool = False
+    parent_session_id: str | None = None
+
+
+class Candidate(NamedTuple):
+    """An endpoint with its state, as filters and scorers see it: pairs avoid a dict lookup per endpoint per scorer."""
+
+    endpoint: Endpoint
+    state: EndpointState
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """Every endpoint and its state at one moment, built by the proxy per scheduling call (or by the simulator).
+
+    Endpoints are kept sorted by (pod, dp_rank, role) so round-robin and tie-breaks don't depend on the order the
+    caller happened to list them in.
+    """
+
+    states: Mapping[Endpoint, EndpointState]
+    taken_at: float = 0.0
+    candidates: tuple[Candidate, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        items = sorted(self.states.items(), key=lambda kv: (kv[0].pod, kv[0].dp_rank, kv[0].role, kv[0].url))
+        object.__setattr__(self, "states", MappingProxyType(dict(items)))
+        object.__setattr__(self, "candidates", tuple(Candidate(ep, st) for ep, st in items))
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[Endpoint, EndpointState]], taken_at: float = 0.0) -> Snapshot:
+        return cls(dict(pairs), taken_at)
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(c.endpoint for c in self.candidates)
+
+    def state(self, endpoint: Endpoint) -> EndpointState:
+        return self.states[endpoint]
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointScore:
+    """An endpoint's total score and its parts: weight x raw score per scorer, so `sum(parts.values()) == total`."""
+
+    total: float
+    parts: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class PDDecision:
+    """Disaggregate: prefill on `prefill`, then decode on the decision's target, which pulls the KV over NIXL.
+
+    uncached_tokens: prompt tokens the decode endpoint would otherwise compute itself. The estimates are seconds to
+    the first token's KV being ready on the decode endpoint (None under the threshold decider, which doesn't estimate).
+    """
+
+    prefill: Endpoint
+    reason: str
+    uncached_tokens: int
+    est_disagg_s: float | None = None
+    est_local_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes and why.
+
+    target: the decode (or both-role) endpoint that serves the response.
+    reason: "prefix-hit" (target holds the longest weighted prefix), "load" (a longer prefix elsewhere lost to load),
+    "cold" (nobody holds any prefix), "p2p" (moved off an overloaded holder; pull from `p2p_source`),
+    "only-healthy" (one candidate), or the policy name for round-robin / least-loaded / random.
+    gpu_hit_tokens / cpu_hit_tokens: prompt tokens the target holds itself, per tier.
+    p2p_tokens: prompt tokens the target pulls from `p2p_source` beyond its own hit.
+    expected_hit_tokens: tokens the target will not compute: its own hits plus the P2P pull.
+    pd: the prefill hop, or None for decode-only; pd_reason says why either way ("" when no prefill pool exists).
+    cold: no candidate held any prefix (feeds the no-hit-LRU scorer through `Scheduler.observe_routed`).
+    """
+
+    target: Endpoint
+    reason: str
+    scores: Mapping[Endpoint, EndpointScore]
+    expected_hit_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    p2p_tokens: int = 0
+    p2p_source: Endpoint | None = None
+    pd: PDDecision | None = None
+    pd_reason: str = ""
+    cold: bool = False
