@@ -21,9 +21,10 @@ def _registrars() -> list[Registrar]:
     from llmd import demo
     from llmd.engines.sim import cli as sim_cli
     from llmd.models import cli as model_cli
+    from llmd.router import cli as router_cli
     from llmd.spec import cli as spec_cli
 
-    return [spec_cli.register, model_cli.register, sim_cli.register, demo.register]
+    return [spec_cli.register, model_cli.register, sim_cli.register, router_cli.register, demo.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

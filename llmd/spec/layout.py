@@ -2,7 +2,9 @@
 
 Per pool, replica r of a pool whose base port is P serves HTTP on P + r; its DP ranks publish KV events on
 P + 1000 + r * dp_size + rank (vLLM adds the rank to the configured endpoint's port itself) and answer KV pulls on the
-side channel P + 2000 + r * dp_size + rank. On a real cluster each replica sits on its own node(s), so the same numbers
+side channel P + 2000 + r * dp_size + rank, and serve KV-event replays on P + 3000 + r * dp_size + rank. Each replica's
+NixlConnector engine id is its name (`decode-0`; vLLM appends `_dp<rank>` for ranks > 0), so a router can address a
+peer for a P2P pull without asking it first. On a real cluster each replica sits on its own node(s), so the same numbers
 never collide; on one machine they don't either, because pools keep 100 ports apart (see the spec's defaults).
 """
 
@@ -14,6 +16,7 @@ from llmd.spec.model import DeploymentSpec
 
 KV_EVENTS_OFFSET = 1000
 SIDE_CHANNEL_OFFSET = 2000
+REPLAY_OFFSET = 3000
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class EngineEndpoint:
     dp_size: int
     kv_events_port: int  # rank 0's; rank k publishes on kv_events_port + k
     side_channel_port: int  # rank 0's; rank k answers on side_channel_port + k
+    replay_port: int  # rank 0's KV-event replay ROUTER; rank k's is replay_port + k
 
     @property
     def url(self) -> str:
@@ -36,9 +40,16 @@ class EngineEndpoint:
     def name(self) -> str:
         return f"{self.role}-{self.replica}"
 
+    @property
+    def engine_id(self) -> str:
+        return self.name
+
     def kv_events_endpoint(self, bind: bool = True) -> str:
         """The PUB endpoint: `tcp://*:P` makes the engine bind (the subscriber connects), as vLLM reads it."""
         return f"tcp://{'*' if bind else self.host}:{self.kv_events_port}"
+
+    def replay_endpoint(self, bind: bool = True) -> str:
+        return f"tcp://{'*' if bind else self.host}:{self.replay_port}"
 
 
 def engine_endpoints(spec: DeploymentSpec, host: str = "127.0.0.1") -> list[EngineEndpoint]:
@@ -54,6 +65,7 @@ def engine_endpoints(spec: DeploymentSpec, host: str = "127.0.0.1") -> list[Engi
                     dp_size=pool.dp_size,
                     kv_events_port=pool.port + KV_EVENTS_OFFSET + r * pool.dp_size,
                     side_channel_port=pool.port + SIDE_CHANNEL_OFFSET + r * pool.dp_size,
+                    replay_port=pool.port + REPLAY_OFFSET + r * pool.dp_size,
                 )
             )
     return out

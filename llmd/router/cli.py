@@ -1,0 +1,108 @@
+"""`llmd router --spec FILE [--discovery FILE] [--host H] [--port P] [--policy NAME]`: run the router until a signal.
+
+SIGTERM or SIGINT stops it.
+
+Engines come from the spec's layout (llmd.spec.layout) or, with --discovery, from the JSON file launchers write
+(reloaded when it changes). The API key, if the spec's router.api_key_env names a variable, is read from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import typing
+from pathlib import Path
+from typing import Any
+
+from llmd.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from llmd.spec.model import RouterPolicy
+
+    p = subparsers.add_parser(
+        "router",
+        help="run the prefix-aware router (OpenAI API in front of the spec's engines)",
+        description=__doc__,
+    )
+    p.add_argument("--spec", required=True, help="deployment spec YAML (model, router settings, engine layout)")
+    p.add_argument("--discovery", help="JSON file listing the engines (written by launchers); replaces the layout")
+    p.add_argument("--host", help="listen address (default: the spec's router.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: the spec's router.port)")
+    p.add_argument("--policy", choices=typing.get_args(RouterPolicy), help="routing policy (default: the spec's)")
+    p.add_argument("--engine-host", default="127.0.0.1", help="host of the spec's engines (without --discovery)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.set_defaults(func=run_router)
+
+
+def build(args: argparse.Namespace) -> Any:
+    """The Router the flags describe (not started)."""
+    from llmd.router.endpoints import load_discovery, pods_from_spec
+    from llmd.router.proxy import Router, RouterConfig
+    from llmd.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.spec)
+    except SpecError as exc:
+        raise UserError(str(exc)) from exc
+    updates: dict[str, Any] = {}
+    if args.host is not None:
+        updates["host"] = args.host
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            raise UserError(f"--port {args.port} is not a port number (0-65535)")
+        updates["port"] = args.port
+    if args.policy is not None:
+        updates["policy"] = args.policy
+    if updates:
+        spec = spec.model_copy(update={"router": spec.router.model_copy(update=updates)})
+    if args.discovery is not None:
+        path = Path(args.discovery)
+        if path.exists():
+            load_discovery(path)  # a bad file is the user's to fix now, not a warning in a log
+        elif not path.parent.is_dir():
+            raise UserError(f"--discovery {path}: folder {path.parent} does not exist")
+        pods: list[Any] = []
+    else:
+        pods = pods_from_spec(spec, args.engine_host)
+    config = RouterConfig.from_spec(spec)
+    if spec.router.api_key_env is not None and not os.environ.get(spec.router.api_key_env):
+        raise UserError(
+            f"router.api_key_env names {spec.router.api_key_env}, which is not set (or empty); export the key in it "
+            "or remove api_key_env from the spec"
+        )
+    return Router(config, pods, discovery=args.discovery)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = build(args)
+    try:
+        import uvloop  # optional: a faster event loop where installed (~15% more requests per core)
+    except ImportError:
+        return asyncio.run(_serve(router))
+    return uvloop.run(_serve(router))
+
+
+async def _serve(router: Any) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            await router.start()
+        except OSError as exc:
+            raise UserError(
+                f"cannot listen on {router.config.host}:{router.config.port}: {exc.strerror or exc}"
+            ) from exc
+        print(f"router listening on {router.url}", flush=True)
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await router.stop()
+    return 0
