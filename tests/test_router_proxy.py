@@ -988,3 +988,16 @@ def test_cli_serves_until_sigterm(model_dir: Path, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_gauges_include_kv_capacity_from_cache_config_info() -> None:
+    """The approximate scorer sizes its memory of a pod from the capacity vLLM reports in cache_config_info."""
+    from llmd.router.endpoints import parse_engine_gauges
+
+    text = (
+        'vllm:cache_config_info{block_size="16",engine="1",num_cpu_blocks="None",num_gpu_blocks="2400"} 1.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="tiny"} 2.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25\n'
+        "vllm:unrelated_total 5.0\n"
+    )
+    assert parse_engine_gauges(text) == [(1, "kv_capacity_blocks", 2400.0), (1, "waiting", 2.0), (0, "kv_usage", 0.25)]

@@ -108,6 +108,9 @@ class RankState:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    # KV capacity in blocks, from vllm:cache_config_info: sizes the approximate scorer's memory of each pod.
+    kv_capacity_blocks: int = 0
+    cpu_capacity_blocks: int = 0
     engine_id: str | None = None  # learned from a prefill response's kv_transfer_params
     side_channel: tuple[str, int] | None = None  # likewise
 
@@ -462,23 +465,38 @@ class EndpointRegistry:
                 log.exception("engine metrics poll failed")
 
 
+def _label(labels: str, key: str) -> str | None:
+    i = labels.find(f'{key}="')
+    if i < 0:
+        return None
+    i += len(key) + 2
+    return labels[i : labels.find('"', i)]
+
+
 def parse_engine_gauges(text: str) -> list[tuple[int, str, float]]:
-    """(DP rank, RankState field, value) for the vLLM gauges the router reads; a line scan, no full parser."""
+    """(DP rank, RankState field, value) for the vLLM gauges the router reads; a line scan, no full parser.
+
+    vllm:cache_config_info is an info gauge: its value is 1 and the KV capacity sits in its labels."""
     out = []
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
         series, _, value = line.rpartition(" ")
         name, _, labels = series.partition("{")
+        rank = 0
+        engine = _label(labels, "engine")
+        if engine is not None:
+            with contextlib.suppress(ValueError):
+                rank = int(engine)
+        if name == "vllm:cache_config_info":
+            for key, attr in (("num_gpu_blocks", "kv_capacity_blocks"), ("num_cpu_blocks", "cpu_capacity_blocks")):
+                raw = _label(labels, key)
+                if raw and raw.isdigit():
+                    out.append((rank, attr, float(raw)))
+            continue
         attr = _GAUGES.get(name)
         if attr is None:
             continue
-        rank = 0
-        i = labels.find('engine="')
-        if i >= 0:
-            j = labels.find('"', i + 8)
-            with contextlib.suppress(ValueError):
-                rank = int(labels[i + 8 : j])
         try:
             out.append((rank, attr, float(value)))
         except ValueError:

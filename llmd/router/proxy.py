@@ -338,6 +338,8 @@ class Router:
                 kv_usage=st.kv_usage,
                 inflight=st.inflight,
                 inflight_tokens=st.inflight_tokens,
+                kv_capacity_blocks=st.kv_capacity_blocks,
+                cpu_capacity_blocks=st.cpu_capacity_blocks,
             )
         return Snapshot(states, time.monotonic())
 

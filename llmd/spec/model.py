@@ -253,7 +253,7 @@ class EngineSpec(_Section):
 
     kind: EngineKind = "sim"
     gpu: str = Field(default="H100-80GB", description="GPU profile for the simulated engine and latency model.")
-    time_scale: float = Field(default=1.0, gt=0)
+    time_scale: float = Field(default=1.0, ge=0)  # wall s per simulated s; 0: as fast as possible
     startup_timeout_s: float = Field(default=600.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
 
