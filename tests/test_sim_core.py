@@ -152,6 +152,31 @@ def test_prefix_hit_counts_full_shared_blocks_and_never_the_whole_prompt() -> No
     assert [o.num_cached_tokens for o in outs] == [96, 80]
 
 
+def test_first_output_reports_the_prompt_tokens_newly_written_to_the_prefix_cache() -> None:
+    """vLLM's PrefillStats.num_cache_creation_tokens (chat usage created_cache_tokens): the prompt's full cached
+    blocks less the hit, on the first output only."""
+    core, _ = make()
+    p = prompt(100)  # 6 full blocks of 16 + 4
+    core.add_request(SimRequest("a", p, 3))
+    _, outs, _ = run(core)
+    assert [o.num_cache_creation_tokens for o in outs] == [96, None, None]
+    core.add_request(SimRequest("b", p, 1))
+    _, (out,), _ = run(core)
+    assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (96, 0)
+    aligned = prompt(64, 3)  # block aligned: the last block is recomputed, so written again
+    core.add_request(SimRequest("c", aligned, 1))
+    run(core)
+    core.add_request(SimRequest("d", aligned, 1))
+    _, (out,), _ = run(core)
+    assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (48, 16)
+    # A request that wants prompt logprobs reads nothing from the cache (nor counts a query) and writes every block.
+    queries = core.stats().prefix_cache_queries
+    core.add_request(SimRequest("e", p, 1, skip_reading_prefix_cache=True))
+    _, (out,), _ = run(core)
+    assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (0, 96)
+    assert core.stats().prefix_cache_queries == queries
+
+
 def test_block_stored_events_carry_vllm_hashes_and_a_correct_parent_chain() -> None:
     core, _ = make()
     hasher = BlockHasher(16)
@@ -426,6 +451,7 @@ def test_prefill_to_decode_handoff_pulls_kv_and_computes_only_the_last_token(ple
     assert sum(len(o.new_token_ids) for o in outs) == 5 and outs[-1].kv_transfer_params is None
     # vLLM reports the prefill side's cache hits on the decode side.
     assert outs[0].num_cached_tokens == po.kv_transfer_params["remote_prefill_cached_tokens"] == 0
+    assert outs[0].num_cache_creation_tokens == 0  # the pulled blocks count as hits, not as writes
     st_ = dec.stats()
     assert st_.num_pulls_ok == 1 and st_.external_prefix_cache_hits == plen
 

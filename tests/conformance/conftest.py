@@ -94,10 +94,12 @@ class Server:
         raw: bytes | None = None,
         content_type: str | None = "application/json",
         timeout: float = HTTP_TIMEOUT_S,
+        headers: dict[str, str] | None = None,
     ) -> Response:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        headers = {"Content-Type": content_type} if content_type and data is not None else {}
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        sent = {"Content-Type": content_type} if content_type and data is not None else {}
+        sent.update(headers or {})
+        req = urllib.request.Request(self.url + path, data=data, headers=sent, method=method)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return Response(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())

@@ -65,6 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--enable-prompt-tokens-details unless this is given)",
     )
     p.add_argument("--trust-request-chat-template", action="store_true")
+    p.add_argument(
+        "--enable-mfu-metrics",
+        action="store_true",
+        help="count vllm:estimated_{flops,read_bytes,write_bytes}_per_gpu from the latency model (vLLM's flag)",
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument(
         "--all",
@@ -110,6 +115,8 @@ def build_config(args: argparse.Namespace) -> Any:
     except ValueError as exc:
         raise UserError(f"cannot build the engine from the spec: {exc}") from exc
     engine_kw = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if getattr(args, "enable_mfu_metrics", False):
+        engine_kw["enable_mfu_metrics"] = True
     try:
         engine = replace(config.engine, **engine_kw) if engine_kw else config.engine
         faults = FaultConfig(
@@ -166,6 +173,8 @@ def build_all_configs(args: argparse.Namespace) -> list[Any]:
         one.name = ep.name
         one.kv_events_endpoint = args.kv_events_endpoint or ep.kv_events_endpoint()
         one.side_channel_port = ep.side_channel_port
+        one.kv_events_replay_endpoint = ep.replay_endpoint()
+        one.engine_id = ep.engine_id
         configs.append(build_config(one))
     return configs
 
@@ -173,8 +182,20 @@ def build_all_configs(args: argparse.Namespace) -> list[Any]:
 def run_sim(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.all:
-        if args.port is not None or args.kv_events_endpoint is not None:
-            raise UserError("--all takes every port from the spec's layout; drop --port/--kv-events-endpoint")
+        if any(
+            v is not None
+            for v in (
+                args.port,
+                args.kv_events_endpoint,
+                args.kv_events_replay_endpoint,
+                args.side_channel_port,
+                args.engine_id,
+            )
+        ):
+            raise UserError(
+                "--all takes every port and engine id from the spec's layout; drop --port, --kv-events-endpoint, "
+                "--kv-events-replay-endpoint, --side-channel-port and --engine-id"
+            )
         return asyncio.run(serve_many(build_all_configs(args)))
     config = build_config(args)
     return asyncio.run(serve(config))

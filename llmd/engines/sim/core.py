@@ -65,6 +65,7 @@ class SimEngineConfig:
     tp_size: int = 1
     kv_cache_spec_kind: str = "full_attention"  # "mla_attention" for MLA models (GLM, DeepSeek)
     cpu_events_self_describing: bool = False  # vLLM's self_describing_kv_events for CPU-tier BlockStored
+    enable_mfu_metrics: bool = False  # vLLM's --enable-mfu-metrics: steps report their estimated work
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 2:
@@ -91,6 +92,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    # On a request's first output: prompt tokens it newly wrote to the prefix cache (vLLM's PrefillStats
+    # num_cache_creation_tokens: its full cached blocks' tokens, at most the prompt, less what was cached before it).
+    num_cache_creation_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +106,8 @@ class StepResult:
     num_running: int
     num_waiting: int
     num_preempted: int = 0
+    # --enable-mfu-metrics: the step's estimated (FLOPs, bytes read, bytes written) per GPU
+    work: tuple[float, float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -232,10 +238,13 @@ class EngineCore:
         so = self.scheduler.schedule()
         lat = self.latency
         duration = 0.0
+        work = None
         if so.prefills or so.decodes:
-            duration = lat.step_time(
-                [(n, r.num_computed_tokens) for r, n in so.prefills], [r.num_tokens for r, _ in so.decodes]
-            )
+            prefill = [(n, r.num_computed_tokens) for r, n in so.prefills]
+            decode = [r.num_tokens for r, _ in so.decodes]
+            duration = lat.step_time(prefill, decode)
+            if self.config.enable_mfu_metrics:
+                work = _step_work(lat, prefill, decode)
         for t in so.cpu_restore_tokens:
             duration += lat.cpu_restore_time(t)
         end = now + duration
@@ -271,6 +280,7 @@ class EngineCore:
             len(s.running),
             s.num_waiting,
             len(so.preempted),
+            work,
         )
 
     def _emit(
@@ -278,6 +288,10 @@ class EngineCore:
     ) -> None:
         max_len = self.config.max_model_len
         n_out = len(r.output_token_ids)
+        created = None
+        if n_out == 0:
+            cached = min(r.num_cached_blocks * self.config.block_size, r.num_prompt_tokens)
+            created = max(0, cached - r.num_prefill_cached_tokens)
         if count > 1:
             # vLLM appends sampled tokens one by one and stops at max_tokens or max_model_len (always at least one).
             count = max(1, min(count, r.max_tokens - n_out, max_len - r.num_tokens))
@@ -292,9 +306,9 @@ class EngineCore:
             params = self._finish(r, _FINISHED_LENGTH, end, first_output=first)
             del self.requests[r.request_id]
             finished.append(r)
-            outputs.append(RequestOutput(r.request_id, toks, True, _LENGTH, r.num_cached_tokens, params))
+            outputs.append(RequestOutput(r.request_id, toks, True, _LENGTH, r.num_cached_tokens, params, created))
         else:
-            outputs.append(RequestOutput(r.request_id, toks, False, None, r.num_cached_tokens))
+            outputs.append(RequestOutput(r.request_id, toks, False, None, r.num_cached_tokens, None, created))
 
     def _finish(
         self, r: SimRequest, status: RequestStatus, end: float | None, first_output: bool = False
@@ -509,6 +523,18 @@ class EngineCore:
         """Block accounting is exact (tests): every held block belongs to a live request or a lease."""
         self.kv.check_invariants([*self.requests.values(), *self.leases.values()])
         assert all(rid in self.requests for rid in self.scheduler.inflight_prefills), "a finished in-flight prefill"
+
+
+def _step_work(lat: Any, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> tuple[float, float, float]:
+    """A step's (FLOPs, bytes read, bytes written) per GPU, back from the roofline's compute and memory seconds: the
+    new tokens' KV is written, every other byte read."""
+    b = lat.step_breakdown(prefill, decode)
+    gpu = lat.gpu
+    flops = b.compute_s * gpu.bf16_flops * gpu.mfu
+    moved = b.memory_s * gpu.hbm_bw * gpu.bw_efficiency
+    tokens = sum(n for n, _ in prefill) + len(decode) * (1 + getattr(lat, "mtp_draft_tokens", 0))
+    written = min(tokens * lat.kv_bytes_per_token_gpu, moved)
+    return flops, moved - written, written
 
 
 def _valid_pull_params(params: dict[str, Any]) -> bool:

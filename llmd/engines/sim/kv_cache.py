@@ -106,6 +106,8 @@ class KVCacheManager:
         Never the whole sequence: the last token is always recomputed to get logits (max hit = num_tokens - 1), which
         can cost a whole block when the prompt is block aligned.
         """
+        if req.skip_reading_prefix_cache:
+            return [], 0, 0
         bs = self.block_size
         hashes = req.block_hashes
         max_blocks = min((req.num_tokens - 1) // bs, len(hashes))
@@ -149,7 +151,10 @@ class KVCacheManager:
     def record_prefix_cache_stats(
         self, req: SimRequest, local_hit_tokens: int, external_hit_tokens: int, has_connector: bool
     ) -> None:
-        """At admission, as vLLM: queries are the request's tokens; connector queries what the local hit left."""
+        """At admission, as vLLM: queries are the request's tokens; connector queries what the local hit left. A
+        request that skips the prefix cache (prompt logprobs) is not counted."""
+        if req.skip_reading_prefix_cache:
+            return
         if req.num_preemptions > 0:
             # vLLM files re-admissions apart (preempted_*), outside vllm:prefix_cache_* and the connector counters.
             self.preempted_prefix_cache_queries += req.num_tokens

@@ -18,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmd.tokens.chat import ChatMessageError, normalize_messages
+
 VLLM_VERSION = "0.32.0"
 # Parameters of vLLM's SamplingParams/completion defaults that the sim honours; anything else is accepted and ignored
 # (OpenAIBaseModel has extra="allow"), as vLLM ignores fields it does not know.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _MAX_CACHE_SALT_LEN = 128
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-_CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
 
 JsonDict = dict[str, Any]
 
@@ -319,6 +320,8 @@ class SamplingOptions:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     max_tokens_param: str = "max_tokens"
+    logprobs: int | None = None  # SamplingParams.logprobs: top-k per sampled token (None: no logprobs)
+    prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs (None: none)
 
 
 @dataclass(slots=True)
@@ -351,6 +354,8 @@ class GenerateRequest:
     tools: list[JsonDict] | None = None
     documents: list[JsonDict] | None = None
     return_prompt_text: bool = False
+    top_logprobs: int = 0  # chat: how many alternatives each logprobs entry lists
+    return_tokens_as_token_ids: bool = False
 
 
 def _validate_cache_salt(value: Any) -> None:
@@ -381,11 +386,47 @@ def _require_object(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def _common(f: _Fields, body: Mapping[str, Any], kind: Literal["completion", "chat"]) -> GenerateRequest:
-    # Before-validators of both request models (they raise before any field is type-checked).
-    _validate_cache_salt(body.get("cache_salt"))
+def _check_stream_options(body: Mapping[str, Any]) -> None:
     if body.get("stream_options") and not body.get("stream"):
         raise validation_error("Stream options can only be defined when `stream=True`.", "stream_options")
+
+
+def _check_logprobs(body: Mapping[str, Any], kind: Literal["completion", "chat"]) -> None:
+    """The request models' check_logprobs before-validators (on the raw JSON, before any field is typed)."""
+    top_name = "logprobs" if kind == "completion" else "top_logprobs"
+    if "prompt_logprobs" not in body and top_name not in body:
+        return
+    for name in ("prompt_logprobs", top_name):
+        value = body.get(name)
+        if value is not None and not isinstance(value, int | float):
+            raise validation_error(f"`{name}` must be an integer.", name, value)
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if body.get("stream") and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise validation_error("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise validation_error(
+                "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", prompt_logprobs
+            )
+    top = body.get(top_name)
+    if top is not None and top < 0 and top != -1:
+        raise validation_error(f"`{top_name}` must be a positive value or -1.", top_name, top)
+    if kind == "chat" and top is not None and (top == -1 or top > 0) and not body.get("logprobs"):
+        raise validation_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+
+
+def _before_validators(body: Mapping[str, Any], kind: Literal["completion", "chat"]) -> None:
+    """The request models' before-validators, in the order pydantic runs them (the last defined first)."""
+    if kind == "completion":
+        _check_stream_options(body)
+        _check_logprobs(body, kind)
+    else:
+        _check_logprobs(body, kind)
+        _check_stream_options(body)
+    _validate_cache_salt(body.get("cache_salt"))
+
+
+def _common(f: _Fields, body: Mapping[str, Any], kind: Literal["completion", "chat"]) -> GenerateRequest:
     model = f.get("model", "string")
     stream = bool(f.get("stream", "bool", False))
     stream_options = f.get("stream_options", "dict")
@@ -425,7 +466,9 @@ def _common(f: _Fields, body: Mapping[str, Any], kind: Literal["completion", "ch
         priority=f.get("priority", "int", 0, nullable=False),
         skip_special_tokens=f.get("skip_special_tokens", "bool", True, nullable=False),
         truncate_prompt_tokens=f.get("truncate_prompt_tokens", "int", ge=-1),
+        return_tokens_as_token_ids=bool(f.get("return_tokens_as_token_ids", "bool", False)),
     )
+    req.sampling.prompt_logprobs = f.get("prompt_logprobs", "int")
     return req
 
 
@@ -434,44 +477,78 @@ def parse_completion_request(body: Any) -> GenerateRequest:
     prompt = data.get("prompt")
     if prompt is None or prompt == "":
         raise validation_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    _before_validators(data, "completion")
     f = _Fields(data)
     req = _common(f, data, "completion")
     max_tokens = f.get("max_tokens", "int")
     req.sampling.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     req.echo = bool(f.get("echo", "bool", False))
+    s = req.sampling
+    s.logprobs = f.get("logprobs", "int")
+    if s.prompt_logprobs is None and req.echo:
+        s.prompt_logprobs = s.logprobs
     req.add_special_tokens = f.get("add_special_tokens", "bool", True, nullable=False)
     req.prompts = _parse_prompt(prompt, f)
     f.raise_if_any()
     return req
 
 
+def _strict_token_ids(items: Any) -> bool:
+    return isinstance(items, list) and set(map(type, items)) <= {int} and (not items or min(items) >= 0)
+
+
+def _lax_token_ids(items: list[Any], loc: tuple, errs: list[JsonDict]) -> list[int]:
+    """`list[Annotated[int, Field(ge=0)]]` in pydantic's lax mode: each id coerced or reported."""
+    f = _Fields({})
+    out = []
+    for i, t in enumerate(items):
+        n = f._int(t, (*loc, i))
+        if n is not None:
+            if n < 0:
+                f._err("greater_than_equal", (*loc, i), "Input should be greater than or equal to 0", t, {"ge": 0})
+            else:
+                out.append(n)
+    errs.extend({**e, "loc": e["loc"][1:]} for e in f.errors)  # _Fields puts "body" first; the caller does too
+    return out
+
+
 def _parse_prompt(prompt: Any, f: _Fields) -> list[str | list[int]]:
-    # prompt: list[int] | list[list[int]] | str | list[str]
+    """`prompt: list[int >= 0] | list[list[int >= 0]] | str | list[str] | None` as pydantic's smart union takes it:
+    the first member the value fits exactly, else the first it fits after coercion, else every member's errors."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list):
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            bad = [i for i, p in enumerate(prompt) if p < 0]
-            for i in bad:
-                f._err(
-                    "greater_than_equal",
-                    ("prompt", i),
-                    "Input should be greater than or equal to 0",
-                    prompt[i],
-                    {"ge": 0},
-                )
-            return [list(prompt)]
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
-            return [list(p) for p in prompt]
     if not isinstance(prompt, list):
-        # pydantic reports every branch of the union, in the order of vLLM's annotation.
         for kind in ("list", "list", "string", "list"):
             f._err(f"{kind}_type", ("prompt",), _TYPE_MSG[kind], prompt)
-    else:
-        # Mixed lists: pydantic's per-branch, per-item errors are not reproduced; one error names the field.
-        f._err("string_type", ("prompt",), "Input should be a valid string", prompt)
+        return []
+    if not prompt:
+        return []  # vLLM: a list of no prompts ("You must pass at least one prompt")
+    if _strict_token_ids(prompt):
+        return [list(prompt)]
+    if all(_strict_token_ids(p) for p in prompt):
+        return [list(p) for p in prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    # Lax: ids may come as integral floats, numeric strings or booleans.
+    ids_errs: list[JsonDict] = []
+    ids = _lax_token_ids(prompt, ("prompt",), ids_errs)
+    if not ids_errs:
+        return [ids]
+    nested_errs: list[JsonDict] = []
+    nested = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, list):
+            nested.append(_lax_token_ids(p, ("prompt", i), nested_errs))
+        else:
+            nested_errs.append({"type": "list_type", "loc": ("prompt", i), "msg": _TYPE_MSG["list"], "input": p})
+    if not nested_errs:
+        return list(nested)
+    for e in ids_errs + nested_errs:
+        f._err(e["type"], e["loc"], e["msg"], e["input"], e.get("ctx"))
+    f._err("string_type", ("prompt",), _TYPE_MSG["string"], prompt)
+    for i, p in enumerate(prompt):
+        if not isinstance(p, str):
+            f._err("string_type", ("prompt", i), _TYPE_MSG["string"], p)
     return []
 
 
@@ -483,14 +560,11 @@ def parse_chat_request(body: Any, *, trust_request_chat_template: bool = False) 
         raise validation_error(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
         )
+    _before_validators(data, "chat")
     f = _Fields(data)
+    # `messages` is the model's first field: its errors come first.
+    messages = _messages_field(f, data)
     req = _common(f, data, "chat")
-    if "messages" not in data:
-        f._err("missing", ("messages",), "Field required", data)
-    messages = f.get("messages", "list", nullable=False) or []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            f._err("missing", ("messages", i, "role"), "Field required", m)
     max_completion = f.get("max_completion_tokens", "int")
     max_tokens = f.get("max_tokens", "int")
     if max_completion is not None:
@@ -506,6 +580,12 @@ def parse_chat_request(body: Any, *, trust_request_chat_template: bool = False) 
     req.tools = f.get("tools", "list")
     req.documents = f.get("documents", "list")
     req.return_prompt_text = bool(f.get("return_prompt_text", "bool", False))
+    logprobs = bool(f.get("logprobs", "bool", False))
+    req.top_logprobs = f.get("top_logprobs", "int", 0) or 0
+    s = req.sampling
+    s.logprobs = req.top_logprobs if logprobs else None
+    if s.prompt_logprobs is None and req.echo:
+        s.prompt_logprobs = req.top_logprobs
     f.raise_if_any()
     if not trust_request_chat_template and (
         req.chat_template is not None or req.chat_template_kwargs.get("chat_template") is not None
@@ -518,70 +598,112 @@ def parse_chat_request(body: Any, *, trust_request_chat_template: bool = False) 
     return req
 
 
-def _part_text(part: Any) -> str | None:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict):
-        kind = part.get("type")
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-            return part["text"]
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            return part["refusal"]
-    return None
+def _messages_field(f: _Fields, data: Mapping[str, Any]) -> list[Any]:
+    """`messages: list[ChatCompletionMessageParam]`: missing, not a list, or each message against the union."""
+    if "messages" not in data:
+        f._err("missing", ("messages",), "Field required", data)
+    messages = f.get("messages", "list", nullable=False) or []
+    for i, m in enumerate(messages):
+        f.errors.extend(message_union_errors(m, ("body", "messages", i)))
+    return messages
 
 
-def conversation(messages: Sequence[Mapping[str, Any]]) -> list[JsonDict]:
-    """OpenAI messages -> the conversation vLLM hands the chat template (vllm/renderers/chat_utils.py).
+# vLLM's ChatCompletionMessageParam (vllm/renderers/chat_utils.py): openai's six message TypedDicts, vLLM's custom one
+# and openai_harmony's Message. pydantic tries each and, when none fits, reports every member's errors under its
+# name, fields in declaration order; vLLM drops the inner union branches ("str", "generator[...]") from each loc.
+# Iterable[...] contents are validated lazily (any list or object passes).
+# (member name, role literal, field order); a field name ending in "!" is required.
+_MESSAGE_MEMBERS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+    ("ChatCompletionDeveloperMessageParam", "developer", ("content!", "role!", "name")),
+    ("ChatCompletionSystemMessageParam", "system", ("content!", "role!", "name")),
+    ("ChatCompletionUserMessageParam", "user", ("content!", "role!", "name")),
+    ("ChatCompletionAssistantMessageParam", "assistant", ("role!", "content", "name")),
+    ("ChatCompletionToolMessageParam", "tool", ("content!", "role!", "tool_call_id!")),
+    ("ChatCompletionFunctionMessageParam", "function", ("content!", "name!", "role!")),
+    ("CustomChatCompletionMessageParam", None, ("role!", "content", "name", "tool_call_id")),
+    ("Message", None, ("author!", "content")),
+)
 
-    Text parts are joined with "\\n" (the "string" content format of text-only templates), `name` is dropped, Claude
-    Code's per-request billing header line is cut from system text (it would break the prefix cache), assistant
-    tool-call arguments become dicts, tool messages keep their tool_call_id.
+
+def _member_errors(member: str, literal: str | None, fields: tuple[str, ...], m: Mapping[str, Any], loc: tuple) -> list:
+    errs: list[JsonDict] = []
+    base = (*loc, member)
+
+    def err(kind: str, where: tuple, msg: str, value: Any, ctx: JsonDict | None = None) -> None:
+        e: JsonDict = {"type": kind, "loc": (*base, *where), "msg": msg, "input": value}
+        if ctx:
+            e["ctx"] = ctx
+        errs.append(e)
+
+    for spec in fields:
+        name = spec.rstrip("!")
+        if name not in m:
+            if spec.endswith("!"):
+                err("missing", (name,), "Field required", m)
+            continue
+        v = m[name]
+        if name == "role":
+            if literal is not None and v != literal:
+                err("literal_error", ("role",), f"Input should be '{literal}'", v, {"expected": f"'{literal}'"})
+            elif literal is None and not isinstance(v, str):
+                err("string_type", ("role",), _TYPE_MSG["string"], v)
+        elif name == "content":
+            if member == "Message":
+                if not isinstance(v, list):
+                    err("list_type", ("content",), _TYPE_MSG["list"], v)
+            elif isinstance(v, str):
+                continue
+            elif member == "ChatCompletionFunctionMessageParam":
+                if v is not None:
+                    err("string_type", ("content",), _TYPE_MSG["string"], v)
+            elif member == "CustomChatCompletionMessageParam":
+                if not isinstance(v, list):
+                    err("string_type", ("content",), _TYPE_MSG["string"], v)
+                    err("list_type", ("content",), _TYPE_MSG["list"], v)
+            elif not isinstance(v, list | dict) and not (v is None and member == "ChatCompletionAssistantMessageParam"):
+                err("string_type", ("content",), _TYPE_MSG["string"], v)
+                err("iterable_type", ("content",), "Input should be iterable", v)
+        elif name in ("name", "tool_call_id"):
+            nullable = name == "tool_call_id" and member == "CustomChatCompletionMessageParam"
+            if not isinstance(v, str) and not (nullable and v is None):
+                err("string_type", (name,), _TYPE_MSG["string"], v)
+    return errs
+
+
+def message_union_errors(m: Any, loc: tuple) -> list[JsonDict]:
+    """Why one chat message fits none of ChatCompletionMessageParam's members, as pydantic words it; [] if it fits.
+
+    Covers what a message can get wrong about role, content, name and tool_call_id; other fields pass unchecked.
     """
+    if not isinstance(m, dict):
+        errs: list[JsonDict] = [
+            {"type": "dict_type", "loc": (*loc, member), "msg": "Input should be a valid dictionary", "input": m}
+            for member, _, _ in _MESSAGE_MEMBERS[:-1]
+        ]
+        errs.append(
+            {
+                "type": "model_attributes_type",
+                "loc": (*loc, "Message"),
+                "msg": "Input should be a valid dictionary or object to extract fields from",
+                "input": m,
+            }
+        )
+        return errs
     out: list[JsonDict] = []
-    for m in messages:
-        role = m["role"]
-        content = m.get("content")
-        parts: list[Any] = [] if content is None else [content] if isinstance(content, str) else list(content)
-        texts = []
-        for part in parts:
-            text = _part_text(part)
-            if text is None:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise validation_error(f"Unsupported content part type {kind!r}: the simulated model is text-only.")
-            if role == "system" and text.startswith(_CLAUDE_CODE_BILLING_HEADER):
-                text = text.partition("\n")[2]
-                if not text:
-                    continue
-            texts.append(text)
-        msg: JsonDict = {"role": role, "content": "\n".join(texts)}
-        if role == "assistant":
-            tool_calls = m.get("tool_calls")
-            if isinstance(tool_calls, list) and tool_calls:
-                msg["tool_calls"] = [_tool_call(tc) for tc in tool_calls]
-            reasoning = m.get("reasoning", m.get("reasoning_content"))
-            if reasoning is not None:
-                msg["reasoning"] = msg["reasoning_content"] = reasoning
-        elif role == "tool" and "tool_call_id" in m:
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
+    for member, literal, fields in _MESSAGE_MEMBERS:
+        errs = _member_errors(member, literal, fields, m, loc)
+        if not errs:
+            return []
+        out.extend(errs)
     return out
 
 
-def _tool_call(item: Any) -> JsonDict:
-    if not isinstance(item, dict):
-        raise validation_error("assistant tool_calls entries must be objects.", "tool_calls")
-    function = item.get("function")
-    if item.get("type", "function") != "function" or not isinstance(function, dict):
-        raise validation_error("chat completions only support assistant tool_calls of type 'function'.", "tool_calls")
-    function = dict(function)
-    args = function.get("arguments")
-    if args and not isinstance(args, dict):
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            args = None
-    function["arguments"] = args if isinstance(args, dict) else {}
-    return {**item, "function": function}
+def conversation(messages: Sequence[Mapping[str, Any]]) -> list[JsonDict]:
+    """OpenAI messages -> the conversation vLLM hands the chat template (llmd.tokens.chat.normalize_messages)."""
+    try:
+        return normalize_messages(messages)
+    except ChatMessageError as exc:
+        raise validation_error(str(exc), exc.param) from exc
 
 
 def check_max_tokens(req: GenerateRequest, max_model_len: int) -> None:
@@ -596,55 +718,61 @@ def check_max_tokens(req: GenerateRequest, max_model_len: int) -> None:
         )
 
 
-def check_prompt(prompt_ids: Sequence[int], max_model_len: int, vocab_size: int, *, from_text: bool) -> None:
-    """vLLM's prompt checks, in its order: length (renderer), vocabulary (renderer), emptiness and room for one
-    output token (input processor)."""
-    n = len(prompt_ids)
-    if n > max_model_len:
-        # vLLM tokenizes text with truncation at max_model_len + 1, so for text it only knows "at least" that many.
-        shown = f"at least {max_model_len + 1}" if from_text else str(n)
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+MAX_N_SEQUENCES = 16384  # VLLM_MAX_N_SEQUENCES default
+_SAMPLING_EPS = 1e-5
+
+
+def check_text_length(text: str, max_model_len: int, max_chars_per_token: int) -> None:
+    """vLLM's renderer check on a text prompt before tokenizing (TokenizeParams._text_len_check): a text longer than
+    max_model_len tokens of the longest vocabulary piece cannot fit."""
+    limit = max_model_len * max_chars_per_token
+    if len(text) > limit:
         raise validation_error(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
-            f"{shown} input tokens, which exceeds this limit even without any output tokens. "
+            f"{len(text)} characters (more than {limit} characters, which is the upper bound for {max_model_len} "
+            "input tokens). Please reduce the length of the input prompt.",
+            "input_text",
+            len(text),
+        )
+
+
+def check_prompt_length(prompt_ids: Sequence[int], max_model_len: int, *, from_text: bool) -> None:
+    """vLLM's renderer check after tokenizing (TokenizeParams._token_len_check). vLLM tokenizes text with truncation
+    at max_model_len + 1, so a long text always counts max_model_len + 1 tokens, "at least" that many."""
+    n = len(prompt_ids)
+    if n > max_model_len:
+        count = max_model_len + 1 if from_text else n
+        qualifier = "at least " if count == max_model_len + 1 else ""
+        raise validation_error(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
             "Please reduce the length of the input prompt.",
             "input_tokens",
-            max_model_len + 1 if from_text else n,
-        )
-    if prompt_ids:
-        lo, hi = min(prompt_ids), max(prompt_ids)
-        if lo < 0:
-            raise validation_error(f"Token id {lo} is out of vocabulary")
-        if hi > vocab_size - 1:
-            raise validation_error(f"Token id {hi} is out of vocabulary")
-    if n == 0:
-        raise validation_error("The decoder prompt cannot be empty")
-    if n == max_model_len:
-        raise validation_error(
-            f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer than "
-            f"the maximum model length of {max_model_len}. Make sure that `max_model_len` is no smaller than the "
-            "number of text tokens (prompt + requested output tokens)."
+            count,
         )
 
 
 def effective_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int) -> int:
-    """vLLM's get_max_tokens + SamplingParams checks: the request's budget clamped to the room left in the context."""
+    """vLLM's get_max_tokens: the request's budget clamped to the room left in the context (may be < 1: the sampling
+    checks refuse that)."""
     s = req.sampling
     budget = max_model_len - prompt_len
     if s.max_tokens is not None:
         budget = min(budget, s.max_tokens)
-    if budget < 1:
-        raise validation_error(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
-    if s.min_tokens > budget:
-        raise validation_error(f"min_tokens must be less than or equal to max_tokens={budget}, got {s.min_tokens}.")
     return budget
 
 
-def check_sampling(req: GenerateRequest) -> None:
-    """SamplingParams._verify_args for the parameters the sim honours."""
+def check_sampling(req: GenerateRequest, max_tokens: int) -> None:
+    """SamplingParams.__post_init__ (_verify_args, then the greedy check) for the parameters the sim honours, in
+    vLLM's order; `max_tokens` is the effective budget of one prompt."""
     s = req.sampling
-    if not 1 <= s.n <= 1024:
+    if s.n < 1:
+        raise validation_error(f"n must be at least 1, got {s.n}.")
+    if s.n > MAX_N_SEQUENCES:
         raise validation_error(
-            f"n must be at least 1, got {s.n}." if s.n < 1 else f"n must be at most 1024, got {s.n}."
+            f"n must be at most {MAX_N_SEQUENCES}, got {s.n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable."
         )
     t = s.temperature
     if t != t or t in (float("inf"), float("-inf")):
@@ -655,40 +783,90 @@ def check_sampling(req: GenerateRequest) -> None:
         raise validation_error(f"temperature must be in [0, 2], got {t}.", "temperature", t)
     if not 0.0 < s.top_p <= 1.0:
         raise validation_error(f"top_p must be in (0, 1], got {s.top_p}.", "top_p", s.top_p)
+    if max_tokens < 1:
+        raise validation_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     if s.min_tokens < 0:
         raise validation_error(f"min_tokens must be greater than or equal to 0, got {s.min_tokens}.")
+    if s.min_tokens > max_tokens:
+        raise validation_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {s.min_tokens}.")
+    if s.logprobs is not None and s.logprobs != -1 and s.logprobs < 0:
+        raise validation_error(f"logprobs must be non-negative or -1, got {s.logprobs}.", "logprobs", s.logprobs)
+    if s.prompt_logprobs is not None and s.prompt_logprobs != -1 and s.prompt_logprobs < 0:
+        num = s.prompt_logprobs
+        raise validation_error(f"prompt_logprobs must be non-negative or -1, got {num}.", "prompt_logprobs", num)
+    if t < _SAMPLING_EPS and s.n > 1:
+        raise validation_error(f"n must be 1 when using greedy sampling, got {s.n}.")
+
+
+def check_engine_input(req: GenerateRequest, prompt_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
+    """The input processor's checks when the request reaches the engine: parameters against the model
+    (SamplingParams.verify), then the prompt (length, then vocabulary)."""
+    s = req.sampling
+    for name, num in (("sample", s.logprobs), ("prompt", s.prompt_logprobs)):
+        if num:
+            wanted = vocab_size if num == -1 else num
+            if wanted > MAX_LOGPROBS:
+                param = "logprobs" if name == "sample" else "prompt_logprobs"
+                raise validation_error(
+                    f"Requested {name} logprobs of {wanted}, which is greater than max allowed: {MAX_LOGPROBS}",
+                    param,
+                    wanted,
+                )
+    n = len(prompt_ids)
+    if n == 0:
+        raise validation_error("The decoder prompt cannot be empty")
+    if n > max_model_len:
+        raise validation_error(
+            f"The decoder prompt (length {n}) is longer than the maximum model length of {max_model_len}. Make sure "
+            "that `max_model_len` is no smaller than the number of text tokens."
+        )
+    if n == max_model_len:
+        raise validation_error(
+            f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer than "
+            f"the maximum model length of {max_model_len}. Make sure that `max_model_len` is no smaller than the "
+            "number of text tokens (prompt + requested output tokens)."
+        )
+    lo, hi = min(prompt_ids), max(prompt_ids)
+    if lo < 0:
+        raise validation_error(f"Token id {lo} is out of vocabulary")
+    if hi > vocab_size - 1:
+        raise validation_error(f"Token id {hi} is out of vocabulary")
 
 
 def parse_tokenize_request(body: Any) -> tuple[str | None, str | None, list[JsonDict] | None, JsonDict]:
-    """/tokenize: (model, prompt, messages, options); prompt or messages, as vLLM's TokenizeRequest union."""
+    """/tokenize: (model, prompt, messages, options), as vLLM's TokenizeRequest union: the chat request when its
+    messages are valid, else the completion request; when neither fits, the errors of both (completion's first)."""
     data = _require_object(body)
-    f = _Fields(data)
-    model = f.get("model", "string")
-    opts: JsonDict = {"return_token_strs": bool(f.get("return_token_strs", "bool", False))}
-    if "messages" in data:
-        if data.get("continue_final_message") and data.get("add_generation_prompt"):
-            raise validation_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        messages = f.get("messages", "list", nullable=False) or []
-        opts["add_generation_prompt"] = f.get("add_generation_prompt", "bool", True, nullable=False)
-        opts["continue_final_message"] = f.get("continue_final_message", "bool", False, nullable=False)
-        opts["add_special_tokens"] = f.get("add_special_tokens", "bool", False, nullable=False)
-        opts["chat_template_kwargs"] = f.get("chat_template_kwargs", "dict") or {}
-        opts["tools"] = f.get("tools", "list")
-        f.raise_if_any()
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise request_validation_error(
-                    [{"type": "missing", "loc": ("body", "messages", i, "role"), "msg": "Field required", "input": m}]
-                )
-        return model, None, conversation(messages), opts
+    if "messages" in data and data.get("continue_final_message") and data.get("add_generation_prompt"):
+        raise validation_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    # TokenizeChatRequest: model, messages, add_generation_prompt, return_token_strs, continue_final_message,
+    # add_special_tokens, chat_template_kwargs, tools.
+    fc = _Fields(data)
+    chat_model = fc.get("model", "string")
+    messages = _messages_field(fc, data)
+    chat_opts: JsonDict = {
+        "add_generation_prompt": fc.get("add_generation_prompt", "bool", True, nullable=False),
+        "return_token_strs": bool(fc.get("return_token_strs", "bool", False)),
+        "continue_final_message": fc.get("continue_final_message", "bool", False, nullable=False),
+        "add_special_tokens": fc.get("add_special_tokens", "bool", False, nullable=False),
+        "chat_template_kwargs": fc.get("chat_template_kwargs", "dict") or {},
+        "tools": fc.get("tools", "list"),
+    }
+    if "messages" in data and not fc.errors:
+        return chat_model, None, conversation(messages), chat_opts
+    # TokenizeCompletionRequest: model, prompt, add_special_tokens, return_token_strs.
+    fp = _Fields(data)
+    model = fp.get("model", "string")
     if "prompt" not in data:
-        raise request_validation_error(
-            [{"type": "missing", "loc": ("body", "prompt"), "msg": "Field required", "input": data}]
-        )
-    prompt = f.get("prompt", "string", nullable=False)
-    opts["add_special_tokens"] = f.get("add_special_tokens", "bool", True, nullable=False)
-    f.raise_if_any()
-    return model, prompt, None, opts
+        fp._err("missing", ("prompt",), "Field required", data)
+    prompt = fp.get("prompt", "string", nullable=False)
+    opts: JsonDict = {
+        "add_special_tokens": fp.get("add_special_tokens", "bool", True, nullable=False),
+        "return_token_strs": bool(fp.get("return_token_strs", "bool", False)),
+    }
+    if not fp.errors:
+        return model, prompt, None, opts
+    raise request_validation_error([*fp.errors, *fc.errors])
 
 
 def parse_detokenize_request(body: Any) -> tuple[str | None, list[int]]:
@@ -725,9 +903,11 @@ def usage(
     *,
     details: bool,
     drop_none: bool = False,
+    created_cache_tokens: int | None = None,
 ) -> JsonDict:
-    """UsageInfo. `details` mirrors --enable-prompt-tokens-details (prompt_tokens_details.cached_tokens);
-    `drop_none` is the final streamed usage chunk (exclude_none=True)."""
+    """UsageInfo. `details` mirrors --enable-prompt-tokens-details (prompt_tokens_details.cached_tokens, and for chat
+    created_cache_tokens: prompt tokens this request newly wrote to the prefix cache); `drop_none` is the final
+    streamed usage chunk (exclude_none=True)."""
     out: JsonDict = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -738,13 +918,13 @@ def usage(
     if details and cached_tokens is not None:
         out["prompt_tokens_details"] = {
             "cached_tokens": cached_tokens,
-            "created_cache_tokens": None,
+            "created_cache_tokens": created_cache_tokens,
             "multimodal_tokens": None,
         }
     if drop_none:
         out = {k: v for k, v in out.items() if v is not None}
         if "prompt_tokens_details" in out:
-            out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+            out["prompt_tokens_details"] = {k: v for k, v in out["prompt_tokens_details"].items() if v is not None}
     return out
 
 
@@ -769,15 +949,17 @@ def completion_choice(
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
     stop_reason: int | str | None = None,
+    logprobs: JsonDict | None = None,
+    prompt_logprobs: list[JsonDict | None] | None = None,
 ) -> JsonDict:
     return {
         "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
         "token_ids": token_ids,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs,
         "prompt_token_ids": prompt_token_ids,
         "routed_experts": None,
     }
@@ -820,6 +1002,7 @@ def completion_chunk(
     stop_reason: int | str | None = None,
     fingerprint: str | None = None,
     usage_info: JsonDict | None = None,
+    logprobs: JsonDict | None = None,
 ) -> JsonDict:
     chunk: JsonDict = {
         "id": request_id,
@@ -830,7 +1013,7 @@ def completion_chunk(
             {
                 "index": index,
                 "text": text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
                 "prompt_token_ids": prompt_token_ids,
@@ -880,6 +1063,7 @@ def chat_response(
     *,
     prompt_token_ids: list[int] | None = None,
     prompt_text: str | None = None,
+    prompt_logprobs: list[JsonDict | None] | None = None,
 ) -> JsonDict:
     return {
         "id": request_id,
@@ -890,7 +1074,7 @@ def chat_response(
         "service_tier": None,
         "system_fingerprint": fingerprint,
         "usage": usage_info,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs,
         "prompt_token_ids": prompt_token_ids,
         "prompt_text": prompt_text,
         "kv_transfer_params": kv_transfer_params,
@@ -900,12 +1084,17 @@ def chat_response(
 
 
 def chat_choice(
-    index: int, role: str, content: str, finish_reason: str | None, token_ids: list[int] | None
+    index: int,
+    role: str,
+    content: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+    logprobs: JsonDict | None = None,
 ) -> JsonDict:
     return {
         "index": index,
         "message": chat_message(role, content),
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason or "stop",
         "stop_reason": None,
         "token_ids": token_ids,
@@ -950,8 +1139,14 @@ def chat_chunk(
     fingerprint: str | None = None,
     usage_info: JsonDict | None = None,
     token_ids_field: bool = True,
+    logprobs: JsonDict | None = None,
 ) -> JsonDict:
-    choice: JsonDict = {"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": finish_reason}
+    choice: JsonDict = {
+        "index": index,
+        "delta": {"content": content},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
     if finish_reason is not None:
         choice["stop_reason"] = None
     if token_ids_field:  # the echo chunk is built without it

@@ -88,6 +88,7 @@ class SimRequest:
     eos_token_id: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     output_script: Sequence[int] | None = None
+    skip_reading_prefix_cache: bool = False  # vLLM: requests that want prompt logprobs compute every token
 
     # --- engine-owned state -------------------------------------------------------------------------------------
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -98,6 +99,9 @@ class SimRequest:
     block_hashes: list[bytes] = field(default_factory=list, init=False)
     # Prefix-cache hit tokens at first scheduling (local + CPU tier + pulled); -1 until then, as vLLM reports.
     num_cached_tokens: int = field(default=-1, init=False)
+    # Local + external hit tokens at first scheduling (vLLM's PrefillStats.num_cached_tokens, never overridden by the
+    # prefill side's remote_prefill_cached_tokens): what the prefix cache held before this request wrote to it.
+    num_prefill_cached_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)

@@ -302,6 +302,8 @@ class RankRunner:
             m.generation_tokens.inc(gen)
         if result.num_preempted:
             m.preemptions.inc(result.num_preempted)
+        if result.work is not None:
+            m.step_work(*result.work)
         self._publish(result.events)
         self._refresh_gauges(result.num_running, result.num_waiting)
 
@@ -345,10 +347,13 @@ class RankRunner:
         core = self.core
         s = core.stats()
         m = self.metrics
+        sched = core.scheduler
         m.scheduler_state(
             s.num_requests_running if running is None else running,
             s.num_requests_waiting if waiting is None else waiting,
             s.kv_cache_usage_perc,
+            len(sched.pulling),
+            len(sched.kv_ready),
         )
         last = self._last_stats
         # The core keeps cumulative counters; Prometheus counters take the increments.

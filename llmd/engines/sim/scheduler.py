@@ -188,7 +188,7 @@ class Scheduler:
                     break
                 kv.record_prefix_cache_stats(req, n_local, n_ext, self.has_connector or n_cpu > 0)
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = n_local + n_ext
+                    req.num_cached_tokens = req.num_prefill_cached_tokens = n_local + n_ext
                     params = req.kv_transfer_params
                     if pull and params is not None:
                         # vLLM reports the prefill side's hits on the decode side when the proxy forwards them.
