@@ -426,7 +426,7 @@ def test_precise_picks_the_prefix_holder() -> None:
     assert d.target == C and d.reason == "prefix-hit"
     assert d.gpu_hit_tokens == 80 * BS and d.cpu_hit_tokens == 0 and d.expected_hit_tokens == 80 * BS
     assert d.scores[C].parts["prefix"] == pytest.approx(2 * 0.8)
-    assert set(d.scores[C].parts) == {"prefix", "kv-util", "queue"}
+    assert set(d.scores[C].parts) == {"prefix", "kv-util", "queue", "no-hit-lru"}
 
 
 def test_gpu_hit_beats_equal_cpu_hit() -> None:
@@ -558,7 +558,7 @@ def test_no_hit_lru_spreads_cold_sessions() -> None:
 
 def test_approximate_policy_learns_from_observe_routed() -> None:
     s = Scheduler(spec(policy="approximate"), seed=5)
-    assert s.weights == {"approximate-prefix": 2.0, "kv-util": 1.0, "queue": 1.0}
+    assert s.weights == {"approximate-prefix": 2.0, "kv-util": 1.0, "queue": 1.0, "no-hit-lru": 1.0}
     text = "".join(chr(0x61 + (i * 7) % 26) for i in range(256 * 40))
     states = {e: EndpointState(kv_capacity_blocks=1000) for e in FOUR}
     r1 = RouteRequest("r1", num_tokens=len(text) // 4, text_chunk_hashes=text_chunk_hashes(text))
@@ -837,3 +837,25 @@ def test_load_scorers_in_bounds(scorer, rows, cold) -> None:
     got = scorer.score(ctx(cold=cold), cs)
     assert len(got) == len(cs)
     assert all(0.0 <= x <= 1.0 for x in got)
+
+
+def test_a_prefix_every_endpoint_holds_counts_as_cold_so_new_sessions_spread() -> None:
+    """A system prompt every pod holds cannot tell pods apart: new sessions are spread by the no-hit LRU instead of
+    piling onto whichever pods look idle (which overflows their caches once the sessions grow)."""
+    s = Scheduler(spec(), seed=3)
+    ix = KVIndex()
+    system = blocks(20, 9)
+    for e in FOUR:
+        ix.store(e.holder, system)
+    targets = []
+    for k in range(8):
+        r = request(system + blocks(30, 100 + k), rid=f"s{k}")
+        d = s.schedule(r, snap(FOUR), ix, now=float(k))
+        assert d.cold and d.expected_hit_tokens == 20 * BS
+        s.observe_routed(r, d, float(k))
+        targets.append(d.target)
+    assert Counter(targets) == {A: 2, B: 2, C: 2, D: 2}
+    # Once a session's own blocks sit on one pod, it is warm and sticks there.
+    ix.store(targets[0].holder, system + blocks(30, 100))
+    d = s.schedule(request(system + blocks(30, 100) + blocks(5, 999), rid="s0b"), snap(FOUR), ix, now=10.0)
+    assert not d.cold and d.target == targets[0]

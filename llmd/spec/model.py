@@ -193,7 +193,10 @@ class RouterSpec(_Section):
     """The prefix-aware router: which scorers, how they are weighted, and when to disaggregate."""
 
     policy: RouterPolicy = "precise"
-    weights: dict[ScorerName, Weight] = Field(default_factory=lambda: {"prefix": 2.0, "kv-util": 1.0, "queue": 1.0})
+    # llm-d's sample weights, plus the no-hit-LRU scorer, neutral (0.5 everywhere) unless a request is cold.
+    weights: dict[ScorerName, Weight] = Field(
+        default_factory=lambda: {"prefix": 2.0, "kv-util": 1.0, "queue": 1.0, "no-hit-lru": 1.0}
+    )
     tier_weights: dict[KVTier, Weight] = Field(default_factory=lambda: {"gpu": 1.0, "cpu": 0.8})
     pd_decider: PDDecider = "threshold"
     pd_threshold: int = Field(default=16, ge=0, description="Uncached prompt tokens at which to disaggregate.")

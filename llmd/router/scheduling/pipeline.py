@@ -14,6 +14,7 @@ prefill pool to choose the prefill endpoint). Policies:
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 POLICIES = ("precise", "approximate", "round-robin", "least-loaded", "random")
 SCORER_NAMES = ("prefix", "approximate-prefix", "kv-util", "queue", "load-aware", "token-load", "no-hit-lru")
+_PREFIX_SCORERS = frozenset({"prefix", "approximate-prefix"})
 _SCORING = frozenset({"precise", "approximate"})
 
 
@@ -156,6 +158,9 @@ class Scheduler:
         self._rng = random.Random(seed)
         self._rr: dict[Hop, int] = {"decode": 0, "prefill": 0}
         self._capacity: dict[Holder, tuple[int, int]] = {}  # (GPU, CPU) blocks, as last seen when routed to
+        # Sessions routed before (bounded, oldest forgotten first): a new session is placed, an old one followed.
+        self._sessions: OrderedDict[str, None] = OrderedDict()
+        self._max_sessions = 1_000_000
 
     def _columns(self, weights: Mapping[str, float]) -> tuple[tuple[str, float, Scorer], ...]:
         if self.policy not in _SCORING:
@@ -199,7 +204,21 @@ class Scheduler:
         ctx.hits = hits = self._primary.hits(ctx)  # without an index: speculative entries alone
         by = hits.by_holder
         role_hits = [by.get(c.endpoint.holder) for c in role_ok]
-        ctx.cold = role_hits.count(None) == len(role_hits)
+        # Cold: nothing to stick to. Not only when no endpoint holds a prefix, but also when every endpoint holds the
+        # same one (the system prompt all agents share): the prefix scorer cannot tell them apart, and choosing by
+        # load alone piles new sessions onto whichever pods happen to look idle, overflowing their caches later.
+        # The no-hit-LRU scorer spreads such requests instead. Likewise a NEW session whose best hit is a minority of
+        # its prompt (a shared system prompt one pod happens to hold): following that hit would send every new agent
+        # to the same pod. A sub-agent forking its parent's context has a majority hit and still follows it.
+        first = role_hits[0]
+        ctx.cold = (
+            all(h == first for h in role_hits)
+            if first is None
+            else all(h is not None and h.tokens == first.tokens for h in role_hits)
+        )
+        if not ctx.cold and req.session_id is not None and req.session_id not in self._sessions:
+            best = max((h.tokens for h in role_hits if h is not None), default=0)
+            ctx.cold = 2 * best < req.num_tokens
 
         i, totals, parts = self._pick("decode", ctx, cands)
         target = cands[i]
@@ -245,7 +264,12 @@ class Scheduler:
         """Index of the chosen candidate, with the totals and parts when the policy scores."""
         policy = self.policy
         if policy in _SCORING:
-            columns = [(name, weight, scorer.score(ctx, cands)) for name, weight, scorer in self.columns]
+            cols = self.columns
+            if ctx.cold and self._feed_no_hit:
+                # Nothing of this request's own is cached anywhere: where a shared prefix happens to sit says nothing
+                # about where its session should live, so it is placed by the no-hit LRU and load alone.
+                cols = [c for c in cols if c[0] not in _PREFIX_SCORERS]
+            columns = [(name, weight, scorer.score(ctx, cands)) for name, weight, scorer in cols]
             totals, parts = weighted_totals(len(cands), columns)
             return pick_max(totals, self._rng), totals, parts
         if policy == "round-robin":
@@ -353,6 +377,11 @@ class Scheduler:
             if self._feed_approx:
                 gpu, cpu = self._capacity.get(holder, (0, 0))
                 self.approx_cache.record(holder, req.text_chunk_hashes, gpu, cpu, req.block_size)
+        if req.session_id is not None:
+            self._sessions[req.session_id] = None
+            self._sessions.move_to_end(req.session_id)
+            if len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
         if decision.cold and self._feed_no_hit:
             self.no_hit_lru.record_cold(decision.target.holder)
             if decision.pd is not None:
