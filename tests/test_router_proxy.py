@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from netutil import free_ports
+from netutil import run as run_bounded
 
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.publisher import KVEventPublisher
@@ -40,41 +41,16 @@ MAX_LEN = 4096
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run(coro_fn: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+    """Router tests run longer flows (P/D, retries): a wider bound than the shared default."""
+    return run_bounded(coro_fn, timeout)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from llmd.models.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
-def run(coro_fn: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro_fn(), timeout)
-
-    return asyncio.run(bounded())
-
-
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports (per-rank endpoints are port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port range")
 
 
 def engine(model_dir: Path, name: str, role: str = "both", **kw: Any) -> SimServerConfig:

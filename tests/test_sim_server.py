@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from netutil import free_ports, run
 
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.runner import FaultConfig
@@ -37,38 +36,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tok(model_dir: Path) -> SimTokenizer:
     return SimTokenizer(model_dir)
-
-
-def run(coro_fn: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
-    """Each test body runs in its own event loop, bounded in time."""
-
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro_fn(), timeout)
-
-    return asyncio.run(bounded())
-
-
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports (per-rank endpoints are port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port range")
 
 
 def config(model_dir: Path, **kw: Any) -> SimServerConfig:
@@ -730,6 +697,26 @@ def test_cli_process_serves_until_sigterm(model_dir: Path) -> None:
             proc.wait()
 
 
+def _layout_base() -> int:
+    """A base port whose layout ports (+0..+101, +1000.., +2000.., +3000..) are all free and below the ephemeral range
+    (32768+), where other connections' local ports could otherwise take one between the check and the bind."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10_000, 28_000, 10)
+        ports = [base + off + d for off in (0, 100, 1000, 1100, 2000, 2100, 3000, 3100) for d in (0, 1)]
+        try:
+            for port in ports:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free layout port range")
+
+
 def test_cli_all_runs_every_replica_of_the_spec_in_one_process(model_dir: Path, tmp_path: Path) -> None:
     """`--all`: every pool's replicas in one process, on the ports llmd.spec.layout gives them, events included."""
     import signal
@@ -740,9 +727,7 @@ def test_cli_all_runs_every_replica_of_the_spec_in_one_process(model_dir: Path, 
     from llmd.spec import load_spec
     from llmd.spec.layout import engine_endpoints
 
-    base = free_ports(1) // 10 * 10
-    if base + 2400 > 65535:
-        base = 20000
+    base = _layout_base()
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(
         f"model:\n  path: {model_dir}\n"

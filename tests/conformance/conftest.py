@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import zmq
 
+from llmd.engines.vllm_server import log_tail, stop_process_group
 from llmd.kv.events import is_replay_end, replay_request
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
@@ -167,32 +167,11 @@ def _subscriber(endpoint: str) -> zmq.Socket:
     return sub
 
 
-def _log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group (vLLM spawns an engine-core child), SIGKILL whatever outlives the grace."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace_s)
-    except ProcessLookupError:
-        pass
-
-
 def _wait_healthy(name: str, url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was healthy:\n{_log_tail(log)}")
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was healthy:\n{log_tail(log)}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -200,7 +179,7 @@ def _wait_healthy(name: str, url: str, proc: subprocess.Popen, log: Path, timeou
         except OSError:
             pass
         time.sleep(0.25)
-    raise RuntimeError(f"{name} was not healthy at {url} after {timeout_s:.0f} s:\n{_log_tail(log)}")
+    raise RuntimeError(f"{name} was not healthy at {url} after {timeout_s:.0f} s:\n{log_tail(log)}")
 
 
 def _have_vllm() -> bool:
@@ -273,18 +252,18 @@ def sim_server(tiny_model: Path, workdir: Path) -> Iterator[Server]:
         deadline = time.monotonic() + SIM_START_TIMEOUT_S
         while url is None and time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"sim exited with code {proc.returncode}:\n{_log_tail(log)}")
+                raise RuntimeError(f"sim exited with code {proc.returncode}:\n{log_tail(log)}")
             m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
             url = m.group(1) if m else None
             if url is None:
                 time.sleep(0.1)
         if url is None:
-            raise RuntimeError(f"sim did not report its URL in {SIM_START_TIMEOUT_S} s:\n{_log_tail(log)}")
+            raise RuntimeError(f"sim did not report its URL in {SIM_START_TIMEOUT_S} s:\n{log_tail(log)}")
         _wait_healthy("sim", url, proc, log, SIM_START_TIMEOUT_S)
         sub = _subscriber(pub)
         yield Server("sim", url, replay, pub, tiny_model, log, proc, sub)
     finally:
-        _stop(proc)
+        stop_process_group(proc)
         if sub is not None:
             sub.close()
 
@@ -341,7 +320,7 @@ def vllm_server(tiny_model: Path, workdir: Path) -> Iterator[Server]:
         sub = _subscriber(pub)
         yield Server("vllm", url, replay, pub, tiny_model, log, proc, sub)
     finally:
-        _stop(proc)
+        stop_process_group(proc)
         if sub is not None:
             sub.close()
 
