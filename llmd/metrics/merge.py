@@ -1,0 +1,126 @@
+"""Merge per-process metrics files (client, router, each engine) into one run file with the same schema."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+
+from llmd.metrics.reader import open_metrics
+from llmd.metrics.schema import NAME_BYTES, REQUEST_DTYPE, SCHEMA_VERSION, TIMESERIES_DTYPE, encode_str
+from llmd.metrics.writer import COMPRESSION, REQUEST_CHUNK_ROWS, TIMESERIES_CHUNK_ROWS, run_attrs
+
+# Bounded memory whatever the input size: ~600 B a request row.
+_BLOCK_ROWS = 1 << 20
+
+
+def _unique_name(name: str, taken: set[str]) -> str:
+    # Two inputs from the same producer (e.g. a restarted engine) stay apart instead of overwriting /sources/<name>.
+    base, k = name or "input", 2
+    out = base
+    while out in taken:
+        out = f"{base}#{k}"
+        k += 1
+    taken.add(out)
+    return out
+
+
+def _copy_table(
+    src: h5py.Dataset,
+    dst: h5py.Dataset,
+    time_field: str,
+    shift_s: float,
+    old_name: bytes,
+    new_name: bytes,
+    swmr: bool,
+) -> None:
+    if swmr:
+        src.refresh()
+    n = src.shape[0]
+    for lo in range(0, n, _BLOCK_ROWS):
+        block = src[lo : min(n, lo + _BLOCK_ROWS)]
+        if shift_s:
+            block[time_field] += shift_s
+        if old_name != new_name:
+            block["source"][block["source"] == old_name] = new_name
+        start = dst.shape[0]
+        dst.resize((start + len(block),))
+        dst[start:] = block
+
+
+def merge_runs(
+    inputs: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Concatenate /requests and /timeseries of `inputs` (rows keep their `source`) into `output`.
+
+    Times are moved onto one clock: each input's `send_time` / `t` is relative to its own start_time, the output's
+    to the earliest start_time. Each input's root attributes and spec are kept under /sources/<producer>. Inputs may
+    still be being written (read as SWMR) or come from a killed writer.
+    """
+    output = Path(output)
+    metas: list[tuple[Path, dict[str, object], str]] = []
+    for p in map(Path, inputs):
+        with open_metrics(p) as f:
+            spec = f["meta/spec"][()] if "meta/spec" in f else b""
+            metas.append((p, dict(f.attrs.items()), spec.decode() if isinstance(spec, bytes) else str(spec)))
+    starts = [float(m["start_time"]) for _, m, _ in metas if "start_time" in m]
+    t0 = min(starts) if starts else 0.0
+
+    mode = "w" if overwrite else "w-"
+    try:
+        out = h5py.File(output, mode, libver="latest")
+    except (FileExistsError, OSError) as e:
+        if not overwrite and output.exists():
+            raise FileExistsError(f"{output} exists; pass overwrite=True or choose another path") from e
+        raise
+    taken: set[str] = set()
+    with out:
+        names = []
+        for _, attrs, _ in metas:
+            producer = attrs.get("producer", "")
+            producer = producer.decode() if isinstance(producer, bytes) else str(producer)
+            names.append((producer, _unique_name(producer, taken)))
+        for key, value in run_attrs("merge", {}, t0).items():
+            out.attrs[key] = value
+        out.attrs["schema_version"] = SCHEMA_VERSION
+        out.attrs["sources"] = json.dumps([new for _, new in names])
+        out.create_group("meta").create_dataset("spec", data=metas[0][2] if metas else "", dtype=h5py.string_dtype())
+        req = out.create_dataset(
+            "requests",
+            shape=(0,),
+            maxshape=(None,),
+            dtype=REQUEST_DTYPE,
+            chunks=(REQUEST_CHUNK_ROWS,),
+            compression=COMPRESSION,
+        )
+        ts = out.create_dataset(
+            "timeseries",
+            shape=(0,),
+            maxshape=(None,),
+            dtype=TIMESERIES_DTYPE,
+            chunks=(TIMESERIES_CHUNK_ROWS,),
+            compression=COMPRESSION,
+        )
+        sources = out.create_group("sources")
+        for (path, attrs, spec), (old, new) in zip(metas, names, strict=True):
+            g = sources.create_group(new)
+            for key, value in attrs.items():
+                g.attrs[key] = value
+            g.attrs["path"] = str(path)
+            g.create_group("meta").create_dataset("spec", data=spec, dtype=h5py.string_dtype())
+            shift = float(attrs["start_time"]) - t0 if "start_time" in attrs else 0.0
+            old_b, new_b = encode_str(old, NAME_BYTES), encode_str(new, NAME_BYTES)
+            with open_metrics(path) as f:
+                for name, dst, tf in (("requests", req, "send_time"), ("timeseries", ts, "t")):
+                    if name in f:
+                        src = f[name]
+                        if src.dtype != dst.dtype:
+                            raise ValueError(f"{path}:/{name} has dtype {src.dtype}, expected schema {dst.dtype}")
+                        _copy_table(src, dst, tf, shift, old_b, new_b, f.swmr_mode)
+    return output
