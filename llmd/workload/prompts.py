@@ -1,0 +1,147 @@
+"""Real chat text with exact token counts for planned turns: each turn appends messages (assistant output, tool
+result) to the previous turn's conversation, so prefix caching sees what it sees from a real agent.
+
+Counts are additive, never re-tokenizing the whole context: content is lines of letter-only words, each word a
+pre-tokenizer chunk of its own (" word", or "word" after a newline, the newline a token of its own), and chat framing
+costs are measured once per tokenizer. tests/test_workload.py checks the sum against a full tokenization; for
+tokenizers whose pre-tokenizer splits otherwise this is an approximation (`verify` re-tokenizes to check).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from llmd.workload.sessions import SessionPlan, Turn
+
+VOCAB = tuple(
+    """the a of to and in is for that with on as it be this by are from at or an not return self def class import
+    value data result error file path line test function call list dict string number index key name type node
+    config request response token cache block server client model agent session turn query update create delete
+    read write open close start stop check run build load save parse format match find replace split join print
+    input output context prompt message system user assistant tool args kwargs lambda yield async await true false
+    none if else while try except raise pass break continue global local module package version option default
+    buffer stream socket thread process memory worker queue batch shard layer tensor weight bias grad step loss
+    router engine prefill decode transfer event hash count total size limit offset length width height depth
+    when then there here which where what because after before under over between into through without within""".split()  # noqa: SIM905
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTurn:
+    """A turn as a chat request: `messages` (system + user + assistant/tool pairs) whose rendered prompt has exactly
+    `turn.input_tokens` tokens; `output_text` is a stand-in assistant reply of exactly `turn.output_tokens` tokens
+    that the next turn appends (a live driver may append the model's real reply instead)."""
+
+    turn: Turn
+    messages: list[dict[str, Any]]
+    output_text: str
+
+
+class PromptWriter:
+    """Writes deterministic text of exact token counts for one tokenizer and one run salt."""
+
+    def __init__(self, tokenizer: Any, salt: str) -> None:
+        self.tok = tokenizer
+        self.salt = salt
+        enc = tokenizer.encode
+        self._sp = np.array([len(enc(" " + w, add_special_tokens=False)) for w in VOCAB])
+        self._ns = np.array([len(enc(w, add_special_tokens=False)) for w in VOCAB])
+        self._nl = len(enc("a\nb", add_special_tokens=False)) - self._ns[VOCAB.index("a")] - self._ns[1]
+        self._one_sp = np.flatnonzero(self._sp == 1)
+        self._one_ns = np.flatnonzero(self._ns == 1)
+        if not len(self._one_sp) or not len(self._one_ns):
+            raise ValueError("the tokenizer has no one-token vocabulary word; exact counts are not possible")
+        self._salt_cost = len(enc(salt, add_special_tokens=False)) if salt else 0
+
+        def n(msgs: list[dict[str, Any]], gen: bool = True) -> int:
+            return len(tokenizer.chat_token_ids(msgs, add_generation_prompt=gen))
+
+        sys_, usr = {"role": "system", "content": "value"}, {"role": "user", "content": "data"}
+        c = int(self._ns[VOCAB.index("value")]), int(self._ns[VOCAB.index("data")])
+        self._init_cost = n([sys_, usr]) - c[0] - c[1]
+        ast, tool = {"role": "assistant", "content": "result"}, {"role": "tool", "content": "error"}
+        self._step_cost = n([sys_, usr, ast, tool]) - n([sys_, usr]) - self._ns[VOCAB.index("result")]
+        self._step_cost -= self._ns[VOCAB.index("error")]
+        self._fork_cost = n([sys_, usr, usr]) - n([sys_, usr]) - c[1]
+
+    # -- text ---------------------------------------------------------------------------------------------------
+
+    def text(self, n_tokens: int, key: str) -> str:
+        """Lines of words, exactly `n_tokens` tokens (>= 1), the same for the same key."""
+        if n_tokens < 1:
+            raise ValueError(f"need at least one token of text, got {n_tokens}")
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        picks = rng.integers(0, len(VOCAB), size=n_tokens)
+        out: list[str] = []
+        left = n_tokens
+        i = 0
+        col = 0
+        while left > 0:
+            w = int(picks[i % len(picks)])
+            i += 1
+            if col == 0:
+                if self._ns[w] > left:
+                    w = int(self._one_ns[0])
+                out.append(VOCAB[w])
+                left -= int(self._ns[w])
+                col = 1
+            elif col >= 12 and left > self._nl + int(self._ns[w]):
+                out.append("\n" + VOCAB[w])
+                left -= self._nl + int(self._ns[w])
+                col = 1
+            else:
+                if self._sp[w] > left:
+                    w = int(self._one_sp[0])
+                out.append(" " + VOCAB[w])
+                left -= int(self._sp[w])
+                col += 1
+        return "".join(out)
+
+    def system_prompt(self, n_tokens: int) -> str:
+        """The shared system prompt, headed by the run salt so no run reuses another run's cache."""
+        if not self.salt:
+            return self.text(n_tokens, "system")
+        body = n_tokens - self._salt_cost - self._nl
+        if body < 1:
+            raise ValueError(f"system prompt of {n_tokens} tokens cannot hold the salt")
+        return self.salt + "\n" + self.text(body, "system")
+
+    # -- sessions -----------------------------------------------------------------------------------------------
+
+    def session(self, plan: SessionPlan, system_tokens: int, parent: PromptTurn | None = None):
+        """Yield a PromptTurn per turn of `plan`; a sub-agent plan needs `parent`, its parent's PromptTurn at the
+        fork turn."""
+        messages: list[dict[str, Any]] = []
+        prev: PromptTurn | None = None
+        for turn in plan.turns:
+            key = f"{plan.session_id}/{turn.turn_index}"
+            if turn.turn_index == 0 and turn.is_subagent:
+                if parent is None:
+                    raise ValueError(f"sub-agent {plan.session_id} needs its parent's PromptTurn")
+                task = turn.new_tokens - self._fork_cost
+                messages = [*parent.messages, {"role": "user", "content": self.text(task, key + "/task")}]
+            elif prev is None or turn.reset or turn.compaction:
+                sys_text = self.system_prompt(system_tokens)
+                body = turn.input_tokens - system_tokens - self._init_cost
+                what = "summary" if turn.compaction else "task"
+                messages = [
+                    {"role": "system", "content": sys_text},
+                    {"role": "user", "content": self.text(body, f"{key}/{what}")},
+                ]
+            else:
+                tool = turn.new_tokens - self._step_cost
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": prev.output_text},
+                    {"role": "tool", "content": self.text(tool, key + "/tool")},
+                ]
+            prev = PromptTurn(turn, messages, self.text(turn.output_tokens, key + "/out"))
+            yield prev
+
+    def count(self, messages: list[dict[str, Any]]) -> int:
+        """The full tokenization (slow on large contexts; for checks)."""
+        return len(self.tok.chat_token_ids(messages, add_generation_prompt=True))

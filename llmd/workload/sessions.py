@@ -1,0 +1,189 @@
+"""The agentic session model: turns whose input is the whole context, growing by appending, with prefix resets,
+compactions and bursts of sub-agents that fork from the main agent's context. Pure and deterministic under a seed.
+
+Each session draws from its own numpy Generator seeded by (seed, agent, session index), and each sub-agent from one
+seeded by its fork position, so a session's plan does not depend on any other session's draws or on concurrency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmd.workload.distributions import Quantiles
+
+# Fewest tokens a turn may add: a tool message needs room for its chat framing (role markers) plus some content.
+MIN_NEW_TOKENS = 24
+# Fewest tokens of a whole context beyond the shared system prompt (the first user message).
+MIN_TASK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of a session. `input_tokens` is the whole prompt; `new_tokens` what it adds over the previous
+    turn's input + output (the whole input at a session's first turn, a reset or a compaction; the task text at a
+    sub-agent's first turn); `gap_before_s` the tool time between the previous turn's response and this request
+    (for a session's first turn: its start offset; for a sub-agent's first turn: 0, it starts with its parent's
+    response); `forks` how many sub-agents start when this turn's response completes."""
+
+    session_id: str
+    turn_index: int
+    parent_session_id: str | None
+    is_subagent: bool
+    input_tokens: int
+    new_tokens: int
+    output_tokens: int
+    gap_before_s: float
+    reset: bool = False
+    compaction: bool = False
+    forks: int = 0
+
+
+@dataclass(slots=True)
+class SessionPlan:
+    """A session's turns and the sub-agent sessions it forks (children), in fork order."""
+
+    session_id: str
+    agent: int
+    index: int
+    turns: list[Turn]
+    parent_session_id: str | None = None
+    parent_turn_index: int | None = None
+    children: list[SessionPlan] = field(default_factory=list)
+
+    def walk(self) -> Iterator[SessionPlan]:
+        """This plan and every sub-agent plan under it, depth first."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+    def all_turns(self) -> Iterator[Turn]:
+        for plan in self.walk():
+            yield from plan.turns
+
+
+@dataclass(frozen=True, slots=True)
+class SessionModel:
+    """The distributions a session is drawn from, in unscaled tokens and seconds (scales apply at sampling)."""
+
+    initial: Quantiles  # context at a session's start and after a prefix reset
+    growth: Quantiles  # tokens a turn adds beyond the previous output (tool results, user text)
+    output: Quantiles
+    gap_s: Quantiles
+    turns: Quantiles
+    reset_p: float = 0.025  # random resets; with the forced ones at max_context the share is ~2.8%
+    compaction_p: float = 0.0003
+    compaction_ratio: float = 0.1  # a compaction's summary is this share of the context
+    max_context: float = 850_000.0  # a turn that would exceed it starts a new context (a reset)
+    system_tokens: int = 3000  # shared system prompt (salted per run) at the head of every context
+    fork_p: float = 0.0  # chance that a main-agent turn forks a group of sub-agents
+    group_size: Quantiles = field(default_factory=lambda: Quantiles(7, 51, None, 1, 256))
+    subagent_turns: Quantiles = field(default_factory=lambda: Quantiles(3, 8, None, 1, 50))
+    subagent_task: Quantiles = field(default_factory=lambda: Quantiles(400, 1500, None, 50, 20_000))
+    fixed_fork: tuple[int, int] | None = None  # (turn, size): the first session of agent 0 forks there (smoke)
+    context_scale: float = 1.0
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("reset_p", "compaction_p", "fork_p"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 < self.compaction_ratio < 1:
+            raise ValueError(f"compaction_ratio must be in (0, 1), got {self.compaction_ratio}")
+
+    @property
+    def system(self) -> int:
+        return max(MIN_TASK_TOKENS, round(self.system_tokens * self.context_scale))
+
+    def tokens(self, values: np.ndarray, minimum: int) -> np.ndarray:
+        return np.maximum(np.rint(values * self.context_scale).astype(np.int64), minimum)
+
+    def subagent_requests_per_fork(self) -> float:
+        return self.group_size.mean() * self.subagent_turns.mean()
+
+
+def _context_floor(model: SessionModel) -> int:
+    return model.system + MIN_TASK_TOKENS
+
+
+def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s: float = 0.0) -> SessionPlan:
+    """The main-agent session `index` of `agent`: its turns and its sub-agents, drawn from its own generator."""
+    rng = np.random.default_rng([seed, 0, agent, index])
+    sid = f"a{agent}-s{index}"
+    n = int(model.turns.sample_int(rng, 1)[0])
+    max_ctx = max(_context_floor(model) + MIN_NEW_TOKENS, round(model.max_context * model.context_scale))
+    floor = _context_floor(model)
+    growth = model.tokens(model.growth.sample(rng, n), MIN_NEW_TOKENS)
+    output = model.tokens(model.output.sample(rng, n), 1)
+    gaps = model.gap_s.sample(rng, n) * model.time_scale
+    starts = np.minimum(model.tokens(model.initial.sample(rng, n), floor), max_ctx)
+    resets = rng.random(n) < model.reset_p
+    compactions = rng.random(n) < model.compaction_p
+    forks = rng.random(n) < model.fork_p
+    groups = model.group_size.sample_int(rng, n)
+    if model.fixed_fork is not None and agent == 0 and index == 0:
+        forks[:] = False
+        turn, size = model.fixed_fork
+        if turn < n:
+            forks[turn], groups[turn] = True, size
+    turns: list[Turn] = []
+    children: list[SessionPlan] = []
+    ctx = int(starts[0])
+    turns.append(Turn(sid, 0, None, False, ctx, ctx, int(output[0]), float(start_s), forks=_forks(forks, groups, 0)))
+    for t in range(1, n):
+        reset = compaction = False
+        nxt = ctx + int(output[t - 1]) + int(growth[t])
+        if compactions[t]:
+            compaction = True
+            nxt = max(floor, round(ctx * model.compaction_ratio))
+        elif resets[t] or nxt > max_ctx:
+            reset = True
+            nxt = int(starts[t])
+        new = nxt if (reset or compaction) else int(growth[t])
+        ctx = nxt
+        fk = _forks(forks, groups, t)
+        turns.append(Turn(sid, t, None, False, ctx, new, int(output[t]), float(gaps[t]), reset, compaction, fk))
+    for turn in turns:
+        for k in range(turn.forks):
+            children.append(_plan_subagent(model, seed, agent, index, turn, k))
+    return SessionPlan(sid, agent, index, turns, children=children)
+
+
+def _forks(forks: np.ndarray, groups: np.ndarray, t: int) -> int:
+    return int(groups[t]) if forks[t] else 0
+
+
+def _plan_subagent(model: SessionModel, seed: int, agent: int, index: int, parent: Turn, k: int) -> SessionPlan:
+    # A sub-agent starts from its parent's context at the fork turn (sharing its prefix) plus its own task text,
+    # then appends like any agent; it neither resets nor forks.
+    rng = np.random.default_rng([seed, 1, agent, index, parent.turn_index, k])
+    sid = f"{parent.session_id}/t{parent.turn_index}.{k}"
+    n = int(model.subagent_turns.sample_int(rng, 1)[0])
+    task = int(model.tokens(model.subagent_task.sample(rng, 1), MIN_NEW_TOKENS)[0])
+    growth = model.tokens(model.growth.sample(rng, n), MIN_NEW_TOKENS)
+    output = model.tokens(model.output.sample(rng, n), 1)
+    gaps = model.gap_s.sample(rng, n) * model.time_scale
+    ctx = parent.input_tokens + task
+    turns = [Turn(sid, 0, parent.session_id, True, ctx, task, int(output[0]), 0.0)]
+    for t in range(1, n):
+        ctx += int(output[t - 1]) + int(growth[t])
+        turns.append(Turn(sid, t, parent.session_id, True, ctx, int(growth[t]), int(output[t]), float(gaps[t])))
+    return SessionPlan(sid, agent, index, turns, parent.session_id, parent.turn_index)
+
+
+def fork_p_for_share(model: SessionModel, subagent_share: float) -> float:
+    """The per-turn fork chance that makes sub-agent requests `subagent_share` of all requests (40,367 of 78,099 in
+    the reference traffic)."""
+    if not 0 <= subagent_share < 1:
+        raise ValueError(f"subagent_share must be in [0, 1), got {subagent_share}")
+    ratio = subagent_share / (1 - subagent_share)  # sub-agent requests per main-agent request
+    return min(1.0, ratio / model.subagent_requests_per_fork())
+
+
+def session_start_offset(seed: int, agent: int, stagger_s: float) -> float:
+    """Where an agent's first session starts within [0, stagger_s), so N agents do not all fire at t=0."""
+    if stagger_s <= 0:
+        return 0.0
+    return float(np.random.default_rng([seed, 2, agent]).random() * stagger_s)

@@ -1,0 +1,217 @@
+"""The workload model: statistics match the reference traffic table, determinism, scales, profiles, trace replay and
+prompts with exact token counts that grow by appending."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from llmd.workload import ALLOWED_PARAMS, Quantiles, Workload, build_profile, profile_from_spec, run_salt
+from llmd.workload.prompts import PromptWriter
+from llmd.workload.trace import TraceError, read_trace
+
+
+def _spec(**kw):
+    base = dict(profile="smoke", seed=0, duration_s=60.0, concurrency=8, context_scale=1.0, time_scale=1.0, params={})
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _plans(profile, n, seed=0, salt="s"):
+    w = Workload(profile, seed, salt)
+    return [p for _, p in zip(range(n), w.sessions(), strict=False)]
+
+
+@pytest.fixture(scope="module")
+def trace_stats():
+    plans = _plans(build_profile("trace-stats", concurrency=800), 800, seed=7)
+    main = [t for p in plans for t in p.turns]
+    return plans, main
+
+
+def _close(value, target, tol=0.15):
+    assert abs(value - target) <= tol * target, (value, target)
+
+
+def test_quantiles_reproduce_percentiles():
+    q = Quantiles(632, 3735, 148_000)
+    z = np.array([0.0, 1.2815515655446004, 2.3263478740408408])
+    assert np.allclose(q.ppf_z(z), [632, 3735, 148_000])
+    x = q.sample(np.random.default_rng(0), 200_000)
+    assert np.allclose(np.percentile(x, [50, 90, 99]), [632, 3735, 148_000], rtol=0.05)
+    ln = Quantiles.lognormal(1500, 1200)
+    assert abs(ln.mean() - 1500) < 15
+
+
+def test_trace_stats_match_table(trace_stats):
+    plans, main = trace_stats
+    pct = lambda xs, q: float(np.percentile(xs, q))  # noqa: E731
+    inputs = [t.input_tokens for t in main]
+    outputs = [t.output_tokens for t in main]
+    appended = [t for t in main if t.turn_index and not t.reset and not t.compaction]
+    growth = [t.new_tokens for t in appended]
+    gaps = [t.gap_before_s for t in main if t.turn_index]
+    turns = [len(p.turns) for p in plans]
+    for xs, p50, p90 in [
+        (inputs, 195_000, 521_000),
+        (outputs, 317, 1705),
+        (growth, 632, 3735),
+        (gaps, 2.0, 24.0),
+        (turns, 107, 354),
+    ]:
+        _close(pct(xs, 50), p50)
+        _close(pct(xs, 90), p90)
+    _close(float(np.mean([t.reset for t in main])), 0.028, 0.2)
+    assert 0 < sum(t.compaction for t in main) < 0.002 * len(main)
+    groups = [t.forks for t in main if t.forks]
+    assert abs(np.median(groups) - 7) <= 1
+    _close(pct(groups, 90), 51, 0.25)
+    sub = sum(len(c.turns) for p in plans for c in p.children)
+    _close(sub / (sub + len(main)), 40_367 / 78_099, 0.25)
+
+
+def test_subagents_fork_from_parent_context(trace_stats):
+    plans, _ = trace_stats
+    plan = next(p for p in plans if p.children)
+    for child in plan.children:
+        parent_turn = plan.turns[child.parent_turn_index]
+        first = child.turns[0]
+        assert first.is_subagent and first.parent_session_id == plan.session_id and first.gap_before_s == 0
+        assert first.input_tokens == parent_turn.input_tokens + first.new_tokens
+    # Appending: each non-reset turn's input is the previous input + output + growth.
+    for a, b in pairwise(plan.turns):
+        if not (b.reset or b.compaction):
+            assert b.input_tokens == a.input_tokens + a.output_tokens + b.new_tokens
+
+
+def test_determinism_and_independence():
+    prof = build_profile("trace-stats", concurrency=4)
+    a = _plans(prof, 4, seed=3)
+    b = _plans(prof, 4, seed=3)
+    assert [p.turns for p in a] == [p.turns for p in b]
+    assert [p.turns for p in a] != [p.turns for p in _plans(prof, 4, seed=4)]
+    # An agent's sessions do not depend on how many agents run beside it.
+    wide = Workload(build_profile("trace-stats", concurrency=16), 3, "s")
+    assert next(wide.agent_sessions(1)).turns == a[1].turns
+    assert run_salt(0, "r1") != run_salt(0, "r2") and run_salt(0, "r1") == run_salt(0, "r1")
+
+
+def test_scales():
+    base = _plans(build_profile("cybergym"), 3)
+    small = _plans(build_profile("cybergym", context_scale=0.01, time_scale=0.5), 3)
+    for p, q in zip(base, small, strict=True):
+        assert p.turns[0].input_tokens == 94_000 and q.turns[0].input_tokens == 940
+        assert len(p.turns) == len(q.turns) == 10
+        for t, u in zip(p.turns[1:], q.turns[1:], strict=True):
+            assert u.gap_before_s == pytest.approx(t.gap_before_s * 0.5)
+    assert build_profile("cybergym").agents == 400
+
+
+def test_profiles_from_spec():
+    w = profile_from_spec(_spec(profile="automationbench", concurrency=12, params={"turns_p50": 5}), run_id="x")
+    assert w.profile.agents == 12 and w.profile.sessions_per_agent is None
+    assert w.profile.model.turns.p50 == 5
+    agentx = profile_from_spec(_spec(profile="agentx", duration_s=900))
+    assert agentx.profile.agents == 128 and agentx.profile.duration_s == 900
+    first = next(agentx.sessions())
+    assert 150_000 <= first.turns[0].input_tokens <= 250_000
+    with pytest.raises(ValueError, match=r"allowed: .*agents"):
+        profile_from_spec(_spec(params={"bogus": 1}))
+    assert "turns_p50" in ALLOWED_PARAMS
+    with pytest.raises(ValueError, match="trace"):
+        profile_from_spec(_spec(profile="trace", trace_path="x.jsonl"))
+
+
+def test_smoke_is_small():
+    w = profile_from_spec(_spec())
+    plans = list(w.sessions())
+    assert len(plans) == 4 and all(len(p.turns) == 3 for p in plans)
+    turns = [t for p in plans for t in p.all_turns()]
+    assert max(t.input_tokens for t in turns) < 1000
+    assert sum(len(p.children) for p in plans) == 3
+    assert sum(t.gap_before_s for t in plans[0].turns) < 5
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from llmd.models.tiny import make_tiny
+    from llmd.tokens import Tokenizer
+
+    return Tokenizer(make_tiny(tmp_path_factory.mktemp("m") / "tiny", weights=False))
+
+
+def _prompt_turns(w, tok, extra_reset=False):
+    pw = PromptWriter(tok, w.salt)
+    out = {}
+    for plan in w.sessions():
+        pts = list(pw.session(plan, w.profile.model.system))
+        out[plan.session_id] = pts
+        for child in plan.children:
+            out[child.session_id] = list(pw.session(child, w.profile.model.system, parent=pts[child.parent_turn_index]))
+    return pw, out
+
+
+def test_prompts_exact_and_append(tok):
+    params = {"reset_p": 0.3, "turns": 6}
+    w = Workload(build_profile("smoke", params=params), 1, run_salt(1, "a"))
+    pw, sessions = _prompt_turns(w, tok)
+    resets = 0
+    for sid, pts in sessions.items():
+        texts = [tok.render_chat(pt.messages) for pt in pts]
+        for pt in pts:
+            assert pw.count(pt.messages) == pt.turn.input_tokens
+            assert len(tok.encode(pt.output_text, add_special_tokens=False)) == pt.turn.output_tokens
+        for a, b, pt in zip(texts, texts[1:], pts[1:], strict=False):
+            if pt.turn.reset or pt.turn.compaction:
+                resets += 1
+                assert not b.startswith(a)
+            else:
+                assert b.startswith(a)
+        if "/" in sid:  # a sub-agent starts from its parent's conversation
+            parent = sessions[pts[0].turn.parent_session_id][int(sid.split("/t")[1].split(".")[0])]
+            assert pts[0].messages[: len(parent.messages)] == parent.messages
+    assert resets > 0
+
+
+def test_prompts_salt_changes_text_not_counts(tok):
+    a = Workload(build_profile("smoke"), 0, run_salt(0, "run1"))
+    b = Workload(build_profile("smoke"), 0, run_salt(0, "run2"))
+    _, sa = _prompt_turns(a, tok)
+    _, sb = _prompt_turns(b, tok)
+    for sid in sa:
+        for x, y in zip(sa[sid], sb[sid], strict=True):
+            assert x.turn == y.turn
+            assert x.messages[0]["content"] != y.messages[0]["content"]
+            assert x.messages[0]["content"].startswith(a.salt)
+
+
+def test_trace_replay(tmp_path, tok):
+    lines = [
+        {"session": "m", "t": 0, "input_tokens": 100, "output_tokens": 10},
+        {"session": "m", "t": 2.5, "input_tokens": 150, "output_tokens": 5},
+        {"session": "c", "parent": "m", "t": 3, "input_text": "hello world", "output_tokens": 3},
+        {"session": "c", "parent": "m", "t": 4, "input_text": "hello world again", "output_tokens": 3},
+        {"session": "m", "t": 9, "input_tokens": 40, "output_tokens": 5},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    got = list(read_trace(path, tokenizer=tok, time_scale=2.0))
+    assert [g.turn.turn_index for g in got] == [0, 1, 0, 1, 2]
+    assert got[1].turn.new_tokens == 40 and got[1].turn.gap_before_s == 5.0
+    assert got[2].turn.is_subagent and got[2].input_text == "hello world"
+    assert got[2].turn.input_tokens == len(tok.encode("hello world", add_special_tokens=False))
+    assert not got[3].turn.reset and got[4].turn.reset
+    bad = [
+        ('{"session": "m", "t": 0, "output_tokens": 1}', "line 2.*input_text"),
+        ('{"session": "m", "t": -1, "input_tokens": 5, "output_tokens": 1}', "line 2.*'t'"),
+        ('{"session": "m", "t": 0, "input_tokens": 5, "output_tokens": 0}', "line 2.*output_tokens"),
+        ('{"t": 0, "input_tokens": 5, "output_tokens": 1}', "line 2.*session"),
+        ("not json", "line 2.*not JSON"),
+    ]
+    for text, match in bad:
+        path.write_text(json.dumps(lines[0]) + "\n" + text + "\n")
+        with pytest.raises(TraceError, match=match):
+            list(read_trace(path))
