@@ -50,11 +50,12 @@ services-down:
 	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh stop; fi
 
 lint: $(STAMP)-test
-	$(VENV)/bin/ruff check llmd tests benchmarks scripts launchers
-	$(VENV)/bin/ruff format --check llmd tests benchmarks scripts launchers
+	$(VENV)/bin/ruff check llmd tests benchmarks scripts
+	$(VENV)/bin/ruff format --check llmd tests benchmarks scripts
 
+# Every benchmark, one run each, printing `name: value  # target ... (ratio R)` lines.
 bench: $(STAMP)-light
-	$(PY) benchmarks/kv_identity.py
+	set -e; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b; done
 
 # Re-record the golden KV events from a real vLLM CPU server (see scripts/record_golden_events.py).
 golden: $(STAMP)-full
