@@ -23,8 +23,16 @@ def _registrars() -> list[Registrar]:
     from llmd.models import cli as model_cli
     from llmd.router import cli as router_cli
     from llmd.spec import cli as spec_cli
+    from llmd.workload import bench_cli
 
-    return [spec_cli.register, model_cli.register, sim_cli.register, router_cli.register, demo.register]
+    return [
+        spec_cli.register,
+        model_cli.register,
+        sim_cli.register,
+        router_cli.register,
+        demo.register,
+        bench_cli.register,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,583 @@
+"""The load generator: closed-loop agents replaying a `Workload` over the OpenAI chat API, one HDF5 row per request.
+
+Each agent runs its sessions one after another and a session's turns in order, sleeping each turn's `gap_before_s`
+(tool time) after the previous response. A turn with `forks` starts its sub-agent sessions concurrently right after
+its response; the main agent waits for them (like a blocking Task tool call) before its next gap, unless
+`LoadConfig.wait_subagents` is False. Requests stream (`stream_options.include_usage`) with `max_tokens` =
+the planned output and `ignore_eos`, so output lengths follow the plan.
+
+Every request becomes one row of llmd.metrics' REQUEST_COLUMNS (errors and aborted requests too, never an exception),
+and every second one client time-series row. `run_load` stops starting turns when the duration, the request budget or
+the plans end, or when `stop` is set (or Ctrl-C arrives): in-flight requests are cancelled and recorded as aborted,
+and the file is closed with every row so far.
+
+Client-side delay: how late each turn is sent relative to its planned time (previous response + gap); the summary
+reports its mean and its share of the planned gaps, the figure benchmarks/client.py holds under 5%.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from llmd.metrics.writer import MetricsWriter
+from llmd.workload.profiles import Workload
+from llmd.workload.prompts import PromptTurn, PromptWriter
+from llmd.workload.sessions import SessionPlan
+
+ABORTED = "aborted"
+
+
+@dataclass
+class LoadConfig:
+    url: str  # router or engine base URL
+    model: str  # served model name
+    tokenizer_dir: str
+    workload: Workload  # from llmd.workload.profile_from_spec
+    output: Path  # metrics.h5 to create (MetricsWriter, producer "client"); never overwritten
+    duration_s: float | None = None  # stop starting new turns after this; None: the profile's, else until plans end
+    max_requests: int | None = None
+    api_key: str | None = None
+    progress: bool = True
+    meta: dict | None = None  # run metadata for the HDF5 file (spec YAML under "spec", seed, ...)
+    request_timeout_s: float = 600.0
+    stream: bool = True
+    wait_subagents: bool = True  # the main agent waits for the sub-agents it forked before its next turn
+    max_connections: int | None = None  # default: sized to the concurrency (agents, plus sub-agent bursts)
+    flush_interval_s: float = 1.0
+    tokenizer: Any = None  # an already loaded tokenizer (skips loading tokenizer_dir)
+
+
+@dataclass
+class LoadSummary:
+    requests: int = 0  # rows written (errors and aborted included)
+    errors: int = 0  # rows with an error (aborted included)
+    aborted: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    duration_s: float = 0.0
+    ttft_p50_s: float = math.nan
+    ttft_p90_s: float = math.nan
+    ttft_p99_s: float = math.nan
+    e2e_p50_s: float = math.nan
+    e2e_p90_s: float = math.nan
+    itl_p50_s: float = math.nan
+    requests_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    cache_hit_share: float = math.nan  # cached / input tokens over successful requests
+    sessions: int = 0  # main-agent sessions started
+    subagent_sessions: int = 0
+    client_delay_mean_s: float = 0.0  # mean lateness of a turn's send vs its planned time
+    client_delay_share: float = 0.0  # total lateness / total planned gap (0 when no gaps)
+    stopped: bool = False  # ended by `stop` / Ctrl-C
+    output: str = ""
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs for a summary table."""
+
+        def ms(v: float) -> str:
+            return "-" if math.isnan(v) else f"{v * 1000:.1f} ms"
+
+        return [
+            ("requests", f"{self.requests:,} ({self.errors:,} errors, {self.aborted:,} aborted)"),
+            ("sessions", f"{self.sessions:,} main, {self.subagent_sessions:,} sub-agent"),
+            ("duration", f"{self.duration_s:.1f} s"),
+            ("input tokens", f"{self.input_tokens:,}"),
+            ("output tokens", f"{self.output_tokens:,} ({self.output_tokens_per_s:,.1f}/s)"),
+            ("cached tokens", f"{self.cached_tokens:,}" + _share(self.cache_hit_share)),
+            ("requests/s", f"{self.requests_per_s:,.2f}"),
+            ("TTFT p50 / p90 / p99", f"{ms(self.ttft_p50_s)} / {ms(self.ttft_p90_s)} / {ms(self.ttft_p99_s)}"),
+            ("E2E p50 / p90", f"{ms(self.e2e_p50_s)} / {ms(self.e2e_p90_s)}"),
+            ("ITL p50", ms(self.itl_p50_s)),
+            ("client delay", f"{ms(self.client_delay_mean_s)} mean, {self.client_delay_share:.2%} of gaps"),
+            ("metrics", self.output),
+        ]
+
+
+def _share(v: float) -> str:
+    return "" if math.isnan(v) else f" ({v:.1%} of input)"
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def pd_path(headers: Any) -> str:
+    """The request's P/D path from the router's response headers."""
+    pd = headers.get("x-llmd-pd", "")
+    if pd == "ok":
+        return "pd"
+    if pd == "fallback":
+        return "pd-fallback"
+    if headers.get("x-llmd-p2p-source"):
+        return "p2p"
+    return "decode-only"
+
+
+class _Stats:
+    """Running totals, per-second bins and the latency samples of the summary."""
+
+    def __init__(self) -> None:
+        self.requests = self.errors = self.aborted = 0
+        self.input = self.output = self.cached = 0
+        self.ok_input = self.ok_cached = 0
+        self.ttft: list[float] = []
+        self.e2e: list[float] = []
+        self.itl: list[float] = []
+        self.bins: dict[int, list[float]] = {}  # second -> [tokens in, tokens out, requests, errors]
+        self.started = 0
+        self.sessions = self.subagent_sessions = 0
+        self.delay_sum = 0.0
+        self.gap_sum = 0.0
+        self.delay_n = 0
+
+    def add(self, row: dict[str, Any], t_done: float) -> None:
+        self.requests += 1
+        err = bool(row.get("error"))
+        inp = max(0, row.get("input_tokens", -1))
+        out = max(0, row.get("output_tokens", -1))
+        cached = max(0, row.get("cached_tokens", -1))
+        self.input += inp
+        self.output += out
+        self.cached += cached
+        b = self.bins.setdefault(int(t_done), [0.0, 0.0, 0.0, 0.0])
+        b[0] += inp
+        b[1] += out
+        b[2] += 1
+        if err:
+            self.errors += 1
+            b[3] += 1
+            if row.get("error") == ABORTED:
+                self.aborted += 1
+            return
+        self.ok_input += inp
+        self.ok_cached += cached
+        ttft = row.get("ttft_s", math.nan)
+        if not math.isnan(ttft):
+            self.ttft.append(ttft)
+        self.e2e.append(row.get("e2e_s", math.nan))
+        itl = row.get("itl_p50_s", math.nan)
+        if not math.isnan(itl):
+            self.itl.append(itl)
+
+    def take_bins(self, before: int | None) -> list[dict[str, Any]]:
+        keys = sorted(k for k in self.bins if before is None or k < before)
+        out = []
+        for k in keys:
+            tin, tout, reqs, errs = self.bins.pop(k)
+            out.append(
+                {
+                    "t": float(k),
+                    "tokens_in_per_s": tin,
+                    "tokens_out_per_s": tout,
+                    "requests_per_s": reqs,
+                    "errors": int(errs),
+                }
+            )
+        return out
+
+
+class _Run:
+    def __init__(self, cfg: LoadConfig, writer: MetricsWriter, prompts: PromptWriter, stop: asyncio.Event) -> None:
+        self.cfg = cfg
+        self.writer = writer
+        self.prompts = prompts
+        self.stop = stop
+        self.stats = _Stats()
+        self.t0 = time.perf_counter()
+        prof = cfg.workload.profile
+        self.duration = cfg.duration_s if cfg.duration_s is not None else prof.duration_s
+        if prof.sessions_per_agent is None and self.duration is None and cfg.max_requests is None:
+            raise ValueError(f"profile {prof.name!r} runs until a duration ends: give duration_s or max_requests")
+        self.system_tokens = prof.model.system
+        self.endpoint = cfg.url.rstrip("/") + "/v1/chat/completions"
+        self.headers = {"Content-Type": "application/json"}
+        if cfg.api_key:
+            self.headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self.http: aiohttp.ClientSession | None = None
+        self.children: set[asyncio.Task[None]] = set()
+        self.on_row: Callable[[], None] | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def may_start(self) -> bool:
+        if self.stop.is_set():
+            return False
+        if self.duration is not None and self.now() >= self.duration:
+            return False
+        return self.cfg.max_requests is None or self.stats.started < self.cfg.max_requests
+
+    # -- agents and sessions -------------------------------------------------------------------------------------
+
+    async def agent(self, agent: int) -> None:
+        for plan in self.cfg.workload.agent_sessions(agent):
+            if not self.may_start():
+                return
+            self.stats.sessions += 1
+            await self.session(plan, None)
+
+    async def session(self, plan: SessionPlan, parent: PromptTurn | None) -> None:
+        # The first turn's gap is the session's start offset (relative to now); a sub-agent starts at once.
+        ready = self.now()
+        by_turn: dict[int, list[SessionPlan]] = {}
+        for child in plan.children:
+            by_turn.setdefault(child.parent_turn_index or 0, []).append(child)
+        children: list[asyncio.Task[None]] = []
+        try:
+            for pt in self.prompts.session(plan, self.system_tokens, parent):
+                turn = pt.turn
+                planned = ready + turn.gap_before_s
+                if self.duration is not None and planned >= self.duration:
+                    return  # it would start after the end: do not sleep until then
+                wait = planned - self.now()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not self.may_start():
+                    return
+                late = max(0.0, self.now() - planned)
+                self.stats.delay_sum += late
+                self.stats.gap_sum += turn.gap_before_s
+                self.stats.delay_n += 1
+                ok = await self.request(pt)
+                if not ok:
+                    return  # a failed turn ends its session: the conversation cannot continue
+                if turn.forks:
+                    kids = [self.spawn(self.subagent(c, pt)) for c in by_turn.get(turn.turn_index, [])]
+                    children.extend(kids)
+                    if self.cfg.wait_subagents and kids:
+                        await asyncio.gather(*kids)
+                ready = self.now()
+            if children:
+                await asyncio.gather(*children)
+        finally:
+            for c in children:
+                c.cancel()
+
+    def spawn(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self.children.add(task)
+        task.add_done_callback(self.children.discard)
+        return task
+
+    async def subagent(self, plan: SessionPlan, parent: PromptTurn) -> None:
+        if not self.may_start():
+            return
+        self.stats.subagent_sessions += 1
+        await self.session(plan, parent)
+
+    # -- one request ---------------------------------------------------------------------------------------------
+
+    async def request(self, pt: PromptTurn) -> bool:
+        """Send one turn and write its row; True when it succeeded."""
+        assert self.http is not None
+        cfg = self.cfg
+        turn = pt.turn
+        self.stats.started += 1
+        body: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": pt.messages,
+            "max_tokens": turn.output_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": cfg.stream,
+        }
+        if cfg.stream:
+            body["stream_options"] = {"include_usage": True}
+        row: dict[str, Any] = {
+            "request_id": f"{turn.session_id}#{turn.turn_index}",
+            "session": turn.session_id,
+            "turn": turn.turn_index,
+            "is_subagent": turn.is_subagent,
+        }
+        t_send = self.now()
+        row["send_time"] = t_send
+        ok = False
+        try:
+            async with self.http.post(self.endpoint, data=json.dumps(body), headers=self.headers) as resp:
+                self._headers(row, resp)
+                row["status"] = resp.status
+                if resp.status >= 400:
+                    text = await resp.text(errors="replace")
+                    row["error"] = f"HTTP {resp.status}: {_error_text(text)}"
+                elif cfg.stream:
+                    await self._read_stream(resp, row, t_send)
+                else:
+                    data = await resp.json(content_type=None)
+                    t = self.now() - t_send
+                    row["ttft_s"] = row["e2e_s"] = t
+                    self._usage(row, data.get("usage"))
+                    if "error" in data:
+                        row["error"] = _error_text(data["error"])
+            ok = not row.get("error")
+        except asyncio.CancelledError:
+            row["error"] = ABORTED
+            self._record(row, t_send)
+            raise
+        except TimeoutError:
+            row["error"] = f"timeout after {cfg.request_timeout_s:g} s"
+        except aiohttp.ClientError as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        except (ValueError, KeyError, TypeError) as e:
+            row["error"] = f"bad response: {type(e).__name__}: {e}"
+        self._record(row, t_send)
+        return ok
+
+    def _record(self, row: dict[str, Any], t_send: float) -> None:
+        t = self.now()
+        row.setdefault("e2e_s", t - t_send)
+        self.writer.append_request(row)
+        self.stats.add(row, t)
+        if self.on_row is not None:
+            self.on_row()
+
+    @staticmethod
+    def _headers(row: dict[str, Any], resp: aiohttp.ClientResponse) -> None:
+        h = resp.headers
+        q = h.get("x-llmd-queue-ms")
+        if q:
+            with contextlib.suppress(ValueError):
+                row["router_queue_s"] = float(q) / 1000.0
+        row["pod"] = h.get("x-llmd-pod", "")
+        row["prefill_pod"] = h.get("x-llmd-prefill-pod", "")
+        row["pd_path"] = pd_path(h)
+
+    @staticmethod
+    def _usage(row: dict[str, Any], usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        row["input_tokens"] = int(usage.get("prompt_tokens") or 0)
+        row["output_tokens"] = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if cached is not None:
+            row["cached_tokens"] = int(cached)
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, row: dict[str, Any], t_send: float) -> None:
+        arrivals: list[float] = []
+        usage: Any = None
+        done = False
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                row["error"] = f"stream error: {_error_text(event['error'])}"
+                break
+            choices = event.get("choices") or ()
+            for c in choices:
+                delta = c.get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content"):
+                    arrivals.append(time.perf_counter())
+                    break
+            if event.get("usage"):
+                usage = event["usage"]
+        t_end = self.now()
+        row["e2e_s"] = t_end - t_send
+        self._usage(row, usage)
+        if arrivals:
+            row["ttft_s"] = arrivals[0] - self.t0 - t_send
+            if len(arrivals) > 1:
+                gaps = np.diff(arrivals)
+                row["itl_mean_s"] = float(gaps.mean())
+                row["itl_p50_s"] = float(np.median(gaps))
+                row["itl_max_s"] = float(gaps.max())
+        if not done and not row.get("error"):
+            row["error"] = "stream ended without [DONE]"
+
+    # -- time series and progress --------------------------------------------------------------------------------
+
+    async def ticker(self, progress: Any, task_id: Any) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.flush_timeseries(final=False)
+            if progress is not None:
+                self.update_progress(progress, task_id)
+
+    def flush_timeseries(self, final: bool) -> None:
+        rows = self.stats.take_bins(None if final else int(self.now()))
+        if rows:
+            self.writer.append_timeseries(rows)
+
+    def update_progress(self, progress: Any, task_id: Any) -> None:
+        s = self.stats
+        el = max(self.now(), 1e-9)
+        progress.update(
+            task_id,
+            completed=s.requests,
+            description=(
+                f"requests {s.requests:,}  errors {s.errors:,}  "
+                f"in {s.input / el:,.0f} tok/s  out {s.output / el:,.0f} tok/s"
+            ),
+        )
+
+    def summary(self, stopped: bool) -> LoadSummary:
+        s = self.stats
+        dur = self.now()
+        return LoadSummary(
+            requests=s.requests,
+            errors=s.errors,
+            aborted=s.aborted,
+            input_tokens=s.input,
+            output_tokens=s.output,
+            cached_tokens=s.cached,
+            duration_s=dur,
+            ttft_p50_s=_pct(s.ttft, 50),
+            ttft_p90_s=_pct(s.ttft, 90),
+            ttft_p99_s=_pct(s.ttft, 99),
+            e2e_p50_s=_pct(s.e2e, 50),
+            e2e_p90_s=_pct(s.e2e, 90),
+            itl_p50_s=_pct(s.itl, 50),
+            requests_per_s=s.requests / dur if dur > 0 else 0.0,
+            output_tokens_per_s=s.output / dur if dur > 0 else 0.0,
+            cache_hit_share=s.ok_cached / s.ok_input if s.ok_input else math.nan,
+            sessions=s.sessions,
+            subagent_sessions=s.subagent_sessions,
+            client_delay_mean_s=s.delay_sum / s.delay_n if s.delay_n else 0.0,
+            client_delay_share=s.delay_sum / s.gap_sum if s.gap_sum > 0 else 0.0,
+            stopped=stopped,
+            output=str(self.cfg.output),
+        )
+
+
+def _error_text(err: Any) -> str:
+    if isinstance(err, dict):
+        msg = err.get("message") or err.get("error") or err
+        return str(msg)[:240]
+    if isinstance(err, str):
+        try:
+            return _error_text(json.loads(err).get("error", err))
+        except (ValueError, AttributeError):
+            return err.strip()[:240]
+    return str(err)[:240]
+
+
+def _connections(cfg: LoadConfig) -> int:
+    if cfg.max_connections is not None:
+        return max(1, cfg.max_connections)
+    prof = cfg.workload.profile
+    model = prof.model
+    burst = 0
+    if model.fork_p > 0 or model.fixed_fork is not None:
+        burst = int(model.group_size.hi) if math.isfinite(model.group_size.hi) else 256
+        if model.fixed_fork is not None:
+            burst = max(burst, model.fixed_fork[1])
+    # Each agent has one request in flight, plus a sub-agent burst for a share of the agents at a time.
+    return max(16, prof.agents + min(prof.agents, 8) * burst)
+
+
+@contextlib.contextmanager
+def _sigint_sets(stop: asyncio.Event, loop: asyncio.AbstractEventLoop):
+    """Ctrl-C sets `stop` (a clean stop) while the run lasts; only possible on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        with contextlib.suppress(TypeError, ValueError):
+            signal.signal(signal.SIGINT, previous)
+
+
+async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSummary:
+    """Drive `cfg.workload` against `cfg.url` and write every request to `cfg.output`; returns the summary.
+
+    Raises FileExistsError when the output exists and ValueError for a workload that would never end; request
+    failures never raise, they are rows."""
+    stop = stop or asyncio.Event()
+    output = Path(cfg.output)
+    if output.exists():
+        raise FileExistsError(f"{output} exists; metrics are never overwritten, choose another output")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tok = cfg.tokenizer
+    if tok is None:
+        from llmd.tokens import Tokenizer
+
+        tok = await asyncio.to_thread(Tokenizer, cfg.tokenizer_dir)
+    prompts = PromptWriter(tok, cfg.workload.salt)
+    meta = dict(cfg.meta or {})
+    meta.setdefault("seed", cfg.workload.seed)
+    meta.setdefault("profile", cfg.workload.profile.name)
+    meta.setdefault("salt", cfg.workload.salt)
+    meta.setdefault("url", cfg.url)
+    meta.setdefault("model", cfg.model)
+    writer = MetricsWriter(output, "client", meta, cfg.flush_interval_s)
+    run: _Run | None = None
+    try:
+        run = _Run(cfg, writer, prompts, stop)
+        limit = _connections(cfg)
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+        progress = task_id = None
+        if cfg.progress:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False)
+            task_id = progress.add_task("starting", total=None)
+            progress.start()
+        loop = asyncio.get_running_loop()
+        stopped = False
+        try:
+            with _sigint_sets(stop, loop):
+                async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+                    run.http = http
+                    agents = [asyncio.create_task(run.agent(a)) for a in range(cfg.workload.profile.agents)]
+                    ticker = asyncio.create_task(run.ticker(progress, task_id))
+                    all_done = asyncio.gather(*agents, return_exceptions=True)
+                    stop_wait = asyncio.create_task(stop.wait())
+                    await asyncio.wait({all_done, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    stopped = stop.is_set() and not all_done.done()
+                    for t in agents:
+                        t.cancel()
+                    results = list(await all_done)
+                    while run.children:  # sub-agents of cancelled sessions record their aborted rows
+                        kids = list(run.children)
+                        for t in kids:
+                            t.cancel()
+                        results += await asyncio.gather(*kids, return_exceptions=True)
+                    stop_wait.cancel()
+                    ticker.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await ticker
+                    for r in results:
+                        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                            raise r
+        finally:
+            if progress is not None:
+                run.update_progress(progress, task_id)
+                progress.stop()
+        run.flush_timeseries(final=True)
+        return run.summary(stopped)
+    finally:
+        if run is not None:
+            with contextlib.suppress(Exception):
+                run.flush_timeseries(final=True)
+        writer.close()
+
+
+__all__ = ["LoadConfig", "LoadSummary", "pd_path", "run_load"]
