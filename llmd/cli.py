@@ -21,6 +21,7 @@ def _registrars() -> list[Registrar]:
     from llmd import demo
     from llmd.engines.sim import cli as sim_cli
     from llmd.models import cli as model_cli
+    from llmd.report import cli as report_cli
     from llmd.router import cli as router_cli
     from llmd.spec import cli as spec_cli
     from llmd.workload import bench_cli
@@ -32,6 +33,7 @@ def _registrars() -> list[Registrar]:
         router_cli.register,
         demo.register,
         bench_cli.register,
+        report_cli.register,
     ]
 
 

@@ -1,321 +1,331 @@
-"""`llmd demo`: the smallest end-to-end run of what exists, on one machine, in well under two minutes.
+"""`llmd demo`: the main job on one machine, in-process, in under two minutes on two cores.
 
-Simulated vLLM engines (the embedded default deployment's engine settings) publish their KV events over ZMQ on
-127.0.0.1; llmd's codec decodes them into the KV index; multi-turn agent sessions are sent to the engines, each turn
-to the engine the index says holds the longest prefix of its blocks (precise), then the same sessions again round-robin.
-The engines' own `cached_tokens` show what precise routing buys, and how exactly the index predicted it.
+From a deployment spec (default: the embedded one, disaggregated: 1 prefill + 1 decode engine on models/tiny), the
+spec's simulated engines start in this process (SimServer, on free ports), the router in front of them (llmd.router,
+the spec's policy), and the load generator drives the workload through the router into results/<run>/metrics.h5.
+Then: a summary table (throughput, TTFT, router queue, cache hits, preemptions from the engines' /metrics, errors),
+PNG figures next to the HDF5, and every server, socket and task stopped, on success, error or Ctrl-C alike.
+
+`--compare` runs the same workload (same seed, a fresh salt per run so no run profits from another's cache) under the
+precise, approximate and round-robin policies and prints them side by side; `--short` is a few seconds of smoke (CI).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import random
-import socket
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import aiohttp
-import zmq
-import zmq.asyncio
+from typing import Any
 
 from llmd.errors import UserError
-from llmd.kv.events import KVEventDecoder
-from llmd.kv.hashing import BlockHasher, event_hash
-from llmd.kv.index import KVIndex
 
-WORDS = [
-    "agent",
-    "repository",
-    "function",
-    "test",
-    "failing",
-    "router",
-    "cache",
-    "block",
-    "prefix",
-    "engine",
-    "decode",
-    "prefill",
-    "token",
-    "session",
-    "context",
-    "tool",
-    "call",
-    "result",
-    "patch",
-    "diff",
-    "review",
-    "module",
-    "import",
-    "error",
-    "trace",
-    "line",
-    "file",
-    "build",
-    "lint",
-    "format",
-    "commit",
-]
+COMPARE_POLICIES = ("precise", "approximate", "round-robin")
+DEFAULT_DURATION_S = 60.0
+COMPARE_DURATION_S = 30.0  # per policy: three runs still finish in under two minutes
+SHORT_DURATION_S = 5.0
+# The default demo's agentic profile, scaled for a 2-core machine and the tiny model's 4096-token window:
+# AutomationBench's closed-loop coding agents with contexts at 4% (sessions start at 480 tokens and grow to ~2.6K),
+# 0.3 s tool gaps, two-turn sub-agents. No compactions: at this scale a compaction can shrink a context below the
+# prompt writer's floor (llmd.workload.prompts raises "need at least one token of text").
+DEMO_WORKLOAD: dict[str, Any] = {
+    "profile": "automationbench",
+    "concurrency": 6,
+    "context_scale": 0.04,
+    "params": {
+        "initial": 12_000,
+        "growth_p99": 12_000,
+        "output_p50": 400,
+        "output_p90": 1200,
+        "output_p99": 2400,
+        "gap_s": 0.3,
+        "subagent_turns": 2,
+        "compaction_p": 0.0,
+        "stagger_s": 0.2,
+    },
+}
+STOP_GRACE_S = 20.0  # after the duration, requests still running get this long before they are cut (aborted)
 
 
 @dataclass
-class TurnRecord:
+class PolicyRun:
     policy: str
-    session: int
-    turn: int
-    pod: int
-    prompt_tokens: int
-    cached_tokens: int
-    predicted_hit_tokens: int
-    ttft_s: float
-    e2e_s: float
+    out_dir: Path
+    metrics: Path
+    preemptions: int | None = None
+    engine_hits: dict[str, float] = field(default_factory=dict)
+    load: Any = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- setup -----------------------------------------------------------------------------------------------------------
 
 
-def _text(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n"
+def _load_spec(args: argparse.Namespace) -> Any:
+    from llmd.spec import DeploymentSpec, SpecError, load_spec
 
-
-async def _follow_events(endpoints: list[str], index: KVIndex, decoder: KVEventDecoder, stop: asyncio.Event) -> None:
-    ctx = zmq.asyncio.Context.instance()
-    socks = []
-    for ep in endpoints:
-        s = ctx.socket(zmq.SUB)
-        s.setsockopt(zmq.SUBSCRIBE, b"")
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(ep)
-        socks.append(s)
-    poller = zmq.asyncio.Poller()
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
     try:
-        while not stop.is_set():
-            for sock, _ in await poller.poll(timeout=100):
-                frames = await sock.recv_multipart()
-                decoded = decoder.decode_frames(frames)
-                if decoded is not None:
-                    index.ingest(str(socks.index(sock)), decoded.seq, decoded.batch)
-    finally:
-        for s in socks:
-            s.close()
+        spec = load_spec(args.spec) if args.spec else DeploymentSpec()
+    except SpecError as exc:
+        raise UserError(str(exc)) from exc
+    if spec.engine.kind != "sim":
+        raise UserError(f"`llmd demo` runs simulated engines; the spec says engine.kind {spec.engine.kind!r}")
+    workload = spec.workload.model_dump()
+    if args.short:
+        workload.update(profile="smoke", duration_s=args.duration or SHORT_DURATION_S)
+    elif not args.spec:
+        default = COMPARE_DURATION_S if args.compare else DEFAULT_DURATION_S
+        workload.update(DEMO_WORKLOAD, duration_s=args.duration or default)
+    elif args.duration:
+        workload["duration_s"] = args.duration
+    if workload["profile"] == "trace":
+        raise UserError("`llmd demo` drives a workload profile; profile trace is not supported here")
+    try:
+        return spec.model_copy(update={"workload": type(spec.workload).model_validate(workload)})
+    except ValueError as exc:
+        raise UserError(f"bad workload settings: {exc}") from exc
 
 
-async def _session(
-    sid: int,
-    policy: str,
-    args: argparse.Namespace,
-    urls: list[str],
-    tokenizer,
-    hasher: BlockHasher,
-    index: KVIndex,
-    records: list[TurnRecord],
-    http: aiohttp.ClientSession,
-    salt: str,
-) -> None:
-    rng = random.Random(args.seed * 1000 + sid)
-    system = random.Random(args.seed).choice(WORDS)  # every session shares the system prompt
-    context = f"{salt} system: {system} " + _text(random.Random(args.seed), args.system_words)
-    context += _text(rng, args.first_turn_words)
-    for turn in range(args.turns):
-        ids = tokenizer.encode(context, add_special_tokens=False).ids
-        hashes = [event_hash(h) for h in hasher.hash_tokens(ids)]
-        if policy == "precise":
-            matches = index.query(hashes)
-            best = max(matches, key=lambda m: (m.blocks_gpu, -int(m.holder[0])), default=None)
-            pod = int(best.holder[0]) if best and best.blocks_gpu else (sid + turn) % len(urls)
-            predicted = best.blocks_gpu * hasher.block_size if best and int(best.holder[0]) == pod else 0
-        else:
-            pod, predicted = (sid + turn) % len(urls), 0
-        # vLLM never serves the whole prompt from cache: the last token is always recomputed.
-        predicted = min(predicted, (len(ids) - 1) // hasher.block_size * hasher.block_size)
-        body = {
-            "model": args.served_name,
-            "prompt": ids,
-            "max_tokens": args.output_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        t0 = time.perf_counter()
-        ttft, usage = None, {}
-        async with http.post(f"{urls[pod]}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"engine {pod} answered {resp.status}: {await resp.text()}")
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and ttft is None:
-                    ttft = time.perf_counter() - t0
-                usage = chunk.get("usage") or usage
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        records.append(
-            TurnRecord(
-                policy,
-                sid,
-                turn,
-                pod,
-                usage.get("prompt_tokens", len(ids)),
-                cached,
-                predicted,
-                ttft or 0.0,
-                time.perf_counter() - t0,
-            )
-        )
-        context += _text(rng, args.output_tokens) + _text(rng, args.growth_words)
-        await asyncio.sleep(rng.uniform(0, args.think_s))
-
-
-async def _run(args: argparse.Namespace) -> list[TurnRecord]:
-    from tokenizers import Tokenizer
-
-    from llmd.engines.sim.server import SimEngineGroup, SimServerConfig
-    from llmd.spec import DeploymentSpec, load_spec
-
-    spec = load_spec(args.spec) if args.spec else DeploymentSpec()
+def _model_dir(spec: Any, from_file: bool) -> Path:
     model_dir = Path(spec.model.tokenizer or spec.model.path)
-    if not (model_dir / "tokenizer.json").exists():
-        if args.spec:
-            raise UserError(f"{model_dir} has no tokenizer.json; make one with `llmd model make-tiny {model_dir}`")
-        from llmd.models.tiny import make_tiny
+    if (model_dir / "tokenizer.json").exists():
+        return model_dir
+    if from_file:
+        raise UserError(f"{model_dir} has no tokenizer.json; make one with `llmd model make-tiny {model_dir}`")
+    from llmd.models.tiny import make_tiny
 
-        print(f"making the tiny model's tokenizer in {model_dir} (first run only)")
-        make_tiny(model_dir, weights=False)
-    args.served_name = spec.model.served_name
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    hasher = BlockHasher(spec.model.block_size, spec.model.hash_algo, spec.model.hash_seed)
-    event_ports = [_free_port() for _ in range(args.engines)]
-    configs = [
-        SimServerConfig.from_spec(
-            spec,
-            "both",
-            port=0,
-            model_dir=str(model_dir),
-            dp_size=1,
-            kv_events_endpoint=f"tcp://*:{p}",
-            side_channel_port=None,
-            name=f"engine-{i}",
-            time_scale=args.time_scale,
+    print(f"making the tiny model's tokenizer in {model_dir} (first run only)")
+    make_tiny(model_dir, weights=False)
+    return model_dir
+
+
+def _engine_configs(spec: Any, model_dir: Path) -> list[Any]:
+    """One SimServerConfig per replica of every pool, on free ports (the layout's names and roles)."""
+    from llmd.engines.sim.server import SimServerConfig
+    from llmd.spec.layout import engine_endpoints
+
+    configs = []
+    for ep in engine_endpoints(spec):
+        configs.append(
+            SimServerConfig.from_spec(
+                spec,
+                ep.role,
+                port=0,
+                name=ep.name,
+                engine_id=ep.engine_id,
+                model_dir=str(model_dir),
+                kv_events_endpoint="tcp://*:0",
+                kv_events_replay_endpoint="tcp://*:0",
+                side_channel_port=0,
+            )
         )
-        for i, p in enumerate(event_ports)
-    ]
-    records: list[TurnRecord] = []
-    async with SimEngineGroup(configs) as group, aiohttp.ClientSession() as http:
-        for policy in ("precise", "round-robin"):
-            index, decoder, stop = KVIndex(), KVEventDecoder(), asyncio.Event()
-            follower = asyncio.create_task(
-                _follow_events([f"tcp://127.0.0.1:{p}" for p in event_ports], index, decoder, stop)
-            )
-            await asyncio.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publishers
-            salt = f"run-{policy}-{random.Random(args.seed).random()}"  # fresh prefixes: no run profits from another
-            await asyncio.gather(
-                *(
-                    _session(s, policy, args, group.urls, tokenizer, hasher, index, records, http, salt)
-                    for s in range(args.sessions)
-                )
-            )
-            stop.set()
-            await follower
-            if decoder.garbage_frames:
-                print(f"warning: {decoder.garbage_frames} undecodable KV event frames")
-    return records
+    return configs
 
 
-def _summary(records: list[TurnRecord]) -> list[dict]:
-    rows = []
-    for policy in ("precise", "round-robin"):
-        rs = [r for r in records if r.policy == policy]
-        prompt = sum(r.prompt_tokens for r in rs)
-        cached = sum(r.cached_tokens for r in rs)
-        ttfts = sorted(r.ttft_s for r in rs)
-        exact = sum(r.predicted_hit_tokens == r.cached_tokens for r in rs)
-        rows.append(
-            {
-                "policy": policy,
-                "requests": len(rs),
-                "prompt_tokens": prompt,
-                "cached_tokens": cached,
-                "cache_hit_share": cached / prompt if prompt else 0.0,
-                "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-                "ttft_p90_ms": 1e3 * ttfts[int(0.9 * (len(ttfts) - 1))],
-                "index_exact_share": exact / len(rs) if policy == "precise" else None,
+def _pod_of(server: Any) -> Any:
+    """The discovery entry for a started sim server (its actual ports)."""
+    from llmd.router.endpoints import PodInfo
+
+    c = server.config
+    pub = server.publishers[0] if server.publishers else None
+    side = server.side_channels[0].port if server.side_channels else None
+    return PodInfo(
+        name=c.name,
+        role=c.role,
+        url=server.url,
+        dp_size=c.dp_size,
+        kv_events_endpoint=pub.endpoint if pub else None,
+        kv_events_replay_endpoint=getattr(pub, "replay_endpoint", None) if pub else None,
+        side_channel_host="127.0.0.1",
+        side_channel_port=side,
+        engine_id=server.engine_id,
+    )
+
+
+def _metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.partition("{")[0] == name:
+            with contextlib.suppress(ValueError):
+                total += float(value)
+    return total
+
+
+async def _engine_counters(http: Any, urls: list[str]) -> dict[str, float]:
+    names = (
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:external_prefix_cache_hits_total",
+    )
+    totals = dict.fromkeys(names, 0.0)
+    for url in urls:
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        for n in names:
+            totals[n] += _metric_sum(text, n)
+    return totals
+
+
+# ---- one run ---------------------------------------------------------------------------------------------------------
+
+
+async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, tokenizer: Any, run_id: str) -> None:
+    import aiohttp
+
+    from llmd.engines.sim.server import SimEngineGroup
+    from llmd.router.proxy import Router, RouterConfig
+    from llmd.workload import profile_from_spec
+    from llmd.workload.loadgen import LoadConfig, run_load
+
+    spec = spec.model_copy(update={"router": spec.router.model_copy(update={"policy": policy})})
+    workload = profile_from_spec(spec.workload, run_id=f"{run_id}-{policy}")  # same seed, fresh salt per run
+    rcfg = RouterConfig.from_spec(
+        spec, port=0, host="127.0.0.1", tokenizer=str(model_dir), health_interval_s=0.5, metrics_interval_s=0.5
+    )
+    meta = {"spec": spec, "policy": policy, "run_id": run_id, "concurrency": spec.workload.concurrency}
+    stop = asyncio.Event()
+    async with SimEngineGroup(_engine_configs(spec, model_dir)) as group:
+        async with Router(rcfg, [_pod_of(s) for s in group.servers]) as router:
+            await _until_ready(router, len(group))
+            cfg = LoadConfig(
+                url=router.url,
+                model=spec.model.served_name,
+                tokenizer_dir=str(model_dir),
+                workload=workload,
+                output=run.metrics,
+                duration_s=spec.workload.duration_s,
+                progress=sys.stdout.isatty(),
+                meta=meta,
+                request_timeout_s=120.0,
+                tokenizer=tokenizer,
+            )
+            loop = asyncio.get_running_loop()
+            cutoff = loop.call_later(spec.workload.duration_s + STOP_GRACE_S, stop.set)
+            try:
+                run.load = await run_load(cfg, stop)
+            finally:
+                cutoff.cancel()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            try:
+                counters = await _engine_counters(http, group.urls)
+            except (aiohttp.ClientError, TimeoutError):
+                counters = {}
+    if counters:
+        run.preemptions = int(counters["vllm:num_preemptions_total"])
+        queries = counters["vllm:prefix_cache_queries_total"]
+        if queries > 0 and spec.kv.cpu_bytes > 0:  # a CPU tier: split the engines' hits by tier
+            run.engine_hits = {
+                "gpu": counters["vllm:prefix_cache_hits_total"] / queries,
+                "cpu": counters["vllm:external_prefix_cache_hits_total"] / queries,
             }
-        )
-    return rows
+
+
+async def _until_ready(router: Any, n: int, timeout_s: float = 15.0) -> None:
+    """Wait until the router sees every engine healthy (its first health round)."""
+    t0 = time.monotonic()
+    while len(router.registry.healthy()) < n:
+        if time.monotonic() - t0 > timeout_s:
+            raise UserError(f"the router saw {len(router.registry.healthy())} of {n} engines healthy in {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def _run_all(spec: Any, runs: list[PolicyRun], model_dir: Path, run_id: str) -> None:
+    from llmd.tokens import Tokenizer
+
+    tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
+    for run in runs:
+        print(f"running {spec.workload.profile} for up to {spec.workload.duration_s:g} s under policy {run.policy}")
+        await _run_policy(spec, run.policy, run, model_dir, tokenizer, run_id)
+
+
+# ---- the command -----------------------------------------------------------------------------------------------------
 
 
 def run_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    records = asyncio.run(_run(args))
-    rows = _summary(records)
-    out = Path(args.output) / time.strftime("demo-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "requests.json").write_text(json.dumps([asdict(r) for r in records], indent=1))
-    (out / "summary.json").write_text(json.dumps(rows, indent=1))
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"llmd demo: {args.sessions} agent sessions x {args.turns} turns over {args.engines} simulated engines"
-    )
-    for col in (
-        "policy",
-        "requests",
-        "prompt tokens",
-        "cached tokens",
-        "cache-hit share",
-        "TTFT p50",
-        "TTFT p90",
-        "index predicted hits exactly",
-    ):
-        table.add_column(col, justify="right")
-    for r in rows:
-        exact = "-" if r["index_exact_share"] is None else f"{r['index_exact_share']:.0%}"
-        table.add_row(
-            r["policy"],
-            str(r["requests"]),
-            f"{r['prompt_tokens']:,}",
-            f"{r['cached_tokens']:,}",
-            f"{r['cache_hit_share']:.1%}",
-            f"{r['ttft_p50_ms']:.1f} ms",
-            f"{r['ttft_p90_ms']:.1f} ms",
-            exact,
-        )
-    Console(width=None if sys.stdout.isatty() else 150).print(table)
-    print(f"wrote {out}/requests.json and summary.json in {time.perf_counter() - t0:.1f} s")
+    if args.duration is not None and not args.duration > 0:
+        raise UserError(f"--duration must be a positive number of seconds, got {args.duration:g}")
+    spec = _load_spec(args)
+    model_dir = _model_dir(spec, from_file=bool(args.spec))
+    run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+    out = Path(args.output) / run_id
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path(args.output) / f"{run_id}-{n}"
+    policies = COMPARE_POLICIES if args.compare else (spec.router.policy,)
+    runs = []
+    for p in policies:
+        d = out / p if args.compare else out
+        runs.append(PolicyRun(p, d, d / "metrics.h5"))
+    out.mkdir(parents=True)
+    try:
+        asyncio.run(_run_all(spec, runs, model_dir, out.name))
+    except KeyboardInterrupt:
+        print(f"llmd demo: interrupted; partial results in {out}", file=sys.stderr)
+        raise
+    _report(spec, runs, out, time.perf_counter() - t0)
     return 0
 
 
+def _report(spec: Any, runs: list[PolicyRun], out: Path, wall_s: float) -> None:
+    from rich.console import Console
+
+    from llmd.metrics import read_requests, read_timeseries
+    from llmd.report.figures import write_figures
+    from llmd.report.summary import summarize_frames, summary_table
+
+    frames = {}
+    summaries = []
+    for r in runs:
+        if not r.metrics.exists():
+            continue
+        df = read_requests(r.metrics)
+        frames[r.policy] = df
+        s = summarize_frames(df, read_timeseries(r.metrics), label=r.policy, preemptions=r.preemptions)
+        if r.engine_hits:
+            s.hit_share_gpu, s.hit_share_cpu = r.engine_hits["gpu"], r.engine_hits["cpu"]
+        summaries.append(s)
+        (r.out_dir / "summary.json").write_text(json.dumps(s.as_dict(), indent=1) + "\n")
+    figures = write_figures(frames, out)
+    if len(runs) > 1:  # each policy's own figures next to its HDF5 as well
+        for r in runs:
+            if r.policy in frames:
+                write_figures({r.policy: frames[r.policy]}, r.out_dir)
+    w = spec.workload
+    agents = "" if w.profile == "smoke" else f", {w.concurrency} agents"
+    pools = " + ".join(f"{pool.replicas} {role}" for role, pool in spec.pools.items())
+    title = f"llmd demo: {spec.name} ({pools}), {w.profile}{agents}, {w.duration_s:g} s"
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    console.print(title)
+    console.print(summary_table(summaries))
+    print(f"metrics: {', '.join(str(r.metrics) for r in runs)}")
+    print(f"figures: {', '.join(p.name for p in figures)} in {out}")
+    print(f"done in {wall_s:.1f} s")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the main job on one machine with simulated engines")
-    p.add_argument("--spec", type=Path, help="deployment spec (default: the embedded tiny local deployment)")
-    p.add_argument("--engines", type=int, default=4, help="simulated engines (default 4)")
-    p.add_argument("--sessions", type=int, default=16, help="concurrent agent sessions (default 16)")
-    p.add_argument("--turns", type=int, default=8, help="turns per session (default 8)")
-    p.add_argument("--system-words", type=int, default=400, help="shared system prompt length in words")
-    p.add_argument("--first-turn-words", type=int, default=300)
-    p.add_argument("--growth-words", type=int, default=60, help="context growth per turn in words")
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--think-s", type=float, default=0.2, help="max pause between turns (tool time)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="engine time scale (1 = real time)")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser(
+        "demo",
+        help="run the main job on one machine: simulated engines, the router, the workload, a summary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--spec", type=Path, help="deployment spec (default: the embedded disaggregated tiny deployment)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        help=f"seconds of load (default {DEFAULT_DURATION_S:g}, {COMPARE_DURATION_S:g} per policy with --compare, "
+        f"{SHORT_DURATION_S:g} with --short; with --spec: the spec's workload.duration_s)",
+    )
+    p.add_argument("--compare", action="store_true", help="run under precise, approximate and round-robin")
     p.add_argument("--output", default="results", help="results folder (default results/)")
-    p.set_defaults(func=_checked)
-
-
-def _checked(args: argparse.Namespace) -> int:
-    for name in ("engines", "sessions", "turns"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    return run_demo(args)
+    p.add_argument("--short", action="store_true", help="a few seconds of the smoke profile (CI)")
+    p.set_defaults(func=run_demo)

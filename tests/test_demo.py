@@ -1,40 +1,132 @@
-"""`llmd demo` end to end: simulated engines, real HTTP and ZMQ on 127.0.0.1, the KV index, results on disk."""
+"""`llmd demo` end to end in CI mode (--short): simulated prefill and decode engines, the router and the load generator
+in this process over real HTTP and ZMQ on 127.0.0.1; results on disk, a summary, figures, nothing left running."""
 
 from __future__ import annotations
 
-import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from llmd.cli import main
+from llmd.metrics import read_meta, read_requests
 
 pytestmark = pytest.mark.integration
 
 
-def test_demo_runs_end_to_end_and_precise_routing_beats_round_robin(tmp_path, monkeypatch, capsys) -> None:
+def _ports_of(endpoint: str | None) -> list[int]:
+    if not endpoint or ":" not in endpoint:
+        return []
+    return [int(endpoint.rsplit(":", 1)[1])]
+
+
+@pytest.fixture
+def used_ports(monkeypatch) -> list[int]:
+    """Every TCP port the demo's engines and router listen on, recorded as they start."""
+    from llmd.engines.sim.server import SimServer
+    from llmd.router.proxy import Router
+
+    ports: list[int] = []
+    sim_start, router_start = SimServer.start, Router.start
+
+    async def sim(self):
+        out = await sim_start(self)
+        ports.append(self.port)
+        for p in self.publishers:
+            ports.extend(_ports_of(p.endpoint))
+            ports.extend(_ports_of(getattr(p, "replay_endpoint", None)))
+        ports.extend(s.port for s in self.side_channels)
+        return out
+
+    async def router(self):
+        out = await router_start(self)
+        ports.append(self.port)
+        return out
+
+    monkeypatch.setattr(SimServer, "start", sim)
+    monkeypatch.setattr(Router, "start", router)
+    return ports
+
+
+def _children() -> list[str]:
+    me = str(os.getpid())
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                    kids.append(d.name)
+            except (OSError, IndexError):
+                pass
+    return kids
+
+
+def test_demo_short_runs_end_to_end_and_cleans_up(tmp_path, monkeypatch, capsys, used_ports) -> None:
     monkeypatch.chdir(tmp_path)  # the embedded default makes its tokenizer under ./models/tiny
-    rc = main(["demo", "--sessions", "6", "--turns", "4", "--engines", "3", "--output", str(tmp_path / "results")])
+    threads_before = {t.ident for t in threading.enumerate()}
+    children_before = set(_children())  # earlier tests may have left their own
+    t0 = time.monotonic()
+    rc = main(["demo", "--short", "--output", str(tmp_path / "results")])
     assert rc == 0
+    assert time.monotonic() - t0 < 60
     assert (tmp_path / "models" / "tiny" / "tokenizer.json").exists()
     (run,) = (tmp_path / "results").iterdir()
-    rows = {r["policy"]: r for r in json.loads((run / "summary.json").read_text())}
-    requests = json.loads((run / "requests.json").read_text())
-    assert len(requests) == 2 * 6 * 4
-    assert rows["precise"]["requests"] == rows["round-robin"]["requests"] == 24
-    # Same sessions, fresh prefixes per policy: only the routing differs.
-    assert rows["precise"]["cache_hit_share"] > rows["round-robin"]["cache_hit_share"]
-    # The index, fed only by the engines' KV events, predicts the engines' own cached-token counts.
-    assert rows["precise"]["index_exact_share"] >= 0.8
-    assert "precise" in capsys.readouterr().out
+    h5 = run / "metrics.h5"
+    df = read_requests(h5)
+    # The smoke profile: 4 agents x 1 session x 3 turns, plus agent 0's fixed burst of 3 sub-agents x 2 turns.
+    assert len(df) == 18
+    assert (df["status"] == 200).all() and (df["error"] == "").all()
+    assert set(df["pd_path"]) <= {"pd", "decode-only", "p2p", "pd-fallback"} and "pd" in set(df["pd_path"])
+    assert df["cached_tokens"].sum() > 0
+    meta = read_meta(h5)
+    assert meta["policy"] == "precise" and "prefill" in meta["spec"]
+    for name in ("ttft_cdf.png", "throughput.png", "cache_hit_per_turn.png"):
+        assert (run / name).read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    for label in ("requests", "TTFT p90", "router queue p90", "cache-hit share", "preemptions", "errors"):
+        assert label in out
+    assert " 18 " in out  # the requests row
+    # Nothing left behind: every port free again, no child processes, no new non-daemon threads.
+    assert len(used_ports) >= 2 + 2  # two engines (HTTP + ZMQ) and the router
+    for port in used_ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    assert set(_children()) <= children_before
+    leftover = [t for t in threading.enumerate() if t.ident not in threads_before and not t.daemon]
+    assert leftover == []
 
 
-def test_demo_rejects_bad_counts_with_a_clear_message(capsys) -> None:
-    assert main(["demo", "--sessions", "0"]) == 2
-    assert "--sessions must be at least 1" in capsys.readouterr().err
+def test_demo_export_of_its_run_validates(tmp_path, monkeypatch) -> None:
+    from llmd.report.export import report_for_file
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--short", "--duration", "3", "--output", "results"]) == 0
+    (run,) = (tmp_path / "results").iterdir()
+    report = report_for_file(run / "metrics.h5")
+    assert report["results"]["request_performance"]["aggregate"]["requests"]["total"] > 0
+    assert report["results"]["observability"]["vllm_num_preemptions_total"]["aggregated"]["units"] == "count"
 
 
 def test_demo_with_a_spec_whose_model_has_no_tokenizer_names_the_fix(tmp_path, capsys) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text(f"model:\n  path: {tmp_path / 'nowhere'}\n")
-    assert main(["demo", "--spec", str(spec)]) == 2
+    assert main(["demo", "--spec", str(spec), "--output", str(tmp_path / "results")]) == 2
     assert "llmd model make-tiny" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_demo_rejects_a_bad_duration(value, tmp_path, capsys) -> None:
+    assert main(["demo", "--short", f"--duration={value}", "--output", str(tmp_path / "r")]) == 2
+    assert "--duration must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_demo_rejects_a_duration_that_is_no_number(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--duration", "soon"])
+    assert exc.value.code == 2
+    assert "--duration" in capsys.readouterr().err
