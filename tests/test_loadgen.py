@@ -175,3 +175,38 @@ def test_bench_cli_unreachable_url(model_dir: Path, tmp_path: Path, capsys: pyte
     args.run = "r1"
     with pytest.raises(UserError, match="never overwritten"):
         args.func(args)
+
+
+def test_prompt_error_is_a_row_and_the_run_continues(
+    model_dir: Path, tok: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmd.workload import loadgen
+    from llmd.workload.prompts import PromptWriter
+
+    class Failing(PromptWriter):
+        """Cannot build the second turn of session a1-s0."""
+
+        def session(self, plan, system_tokens, parent=None):  # type: ignore[no-untyped-def]
+            for pt in super().session(plan, system_tokens, parent):
+                if pt.turn.session_id == "a1-s0" and pt.turn.turn_index == 1:
+                    raise ValueError("need at least one token of text, got -3")
+                yield pt
+
+    monkeypatch.setattr(loadgen, "PromptWriter", Failing)
+    out = tmp_path / "prompt" / "metrics.h5"
+
+    async def body() -> tuple[LoadConfig, LoadSummary]:
+        async with SimServer(sim(model_dir)) as s:
+            cfg = load(s.url, model_dir, tok, out)
+            return cfg, await run_load(cfg)
+
+    cfg, summary = run(body, 30)
+    planned = {(t.session_id, t.turn_index) for plan in cfg.workload.sessions() for t in plan.all_turns()}
+    df = read_requests(out)
+    bad = df[df.error != ""]
+    # One error row for the failed turn; that session ends there (its turn 2 is never sent), every other turn runs.
+    assert len(bad) == summary.errors == 1 and not summary.stopped
+    row = bad.iloc[0]
+    assert (row.session, row.turn, row.status) == ("a1-s0", 1, 0) and row.error.startswith("prompt: ValueError")
+    assert set(zip(df.session, df.turn, strict=True)) == planned - {("a1-s0", 2)}
+    assert summary.requests == len(df) == len(planned) - 1 and summary.sessions == 4

@@ -32,6 +32,11 @@ def trace_stats():
     return plans, main
 
 
+def plan_cap(profile):
+    m = profile.model
+    return round(m.max_context * m.context_scale)
+
+
 def _close(value, target, tol=0.15):
     assert abs(value - target) <= tol * target, (value, target)
 
@@ -80,7 +85,10 @@ def test_subagents_fork_from_parent_context(trace_stats):
         parent_turn = plan.turns[child.parent_turn_index]
         first = child.turns[0]
         assert first.is_subagent and first.parent_session_id == plan.session_id and first.gap_before_s == 0
-        assert first.input_tokens == parent_turn.input_tokens + first.new_tokens
+        if first.reset:  # the parent's context plus the task would exceed max_context
+            assert parent_turn.input_tokens + first.new_tokens > plan_cap(build_profile("trace-stats"))
+        else:
+            assert first.input_tokens == parent_turn.input_tokens + first.new_tokens
     # Appending: each non-reset turn's input is the previous input + output + growth.
     for a, b in pairwise(plan.turns):
         if not (b.reset or b.compaction):
@@ -215,3 +223,86 @@ def test_trace_replay(tmp_path, tok):
         path.write_text(json.dumps(lines[0]) + "\n" + text + "\n")
         with pytest.raises(TraceError, match=match):
             list(read_trace(path))
+
+
+def _fresh(turn):
+    return (turn.turn_index == 0 and not turn.is_subagent) or turn.reset or turn.compaction
+
+
+def test_tiny_context_scale_never_below_minimum(tok):
+    # context_scale 0.001 puts initial contexts, compaction summaries and sub-agent tasks at or under the planner's
+    # floors: every planned size must still hold the chat framing, and the writer must never raise.
+    params = {"compaction_p": 0.05, "reset_p": 0.1, "fork_p": 0.05}
+    checked = 0
+    for seed in range(12):
+        w = Workload(build_profile("trace-stats", concurrency=3, context_scale=0.001, params=params), seed, "s")
+        pw = PromptWriter(tok, run_salt(seed, "tiny"))
+        system = w.profile.model.system
+        assert system >= pw.min_system
+        for plan in _plans(w.profile, 3, seed=seed):
+            pts = list(pw.session(plan, system))
+            groups = [(plan, pts)]
+            for child in plan.children:
+                groups.append((child, list(pw.session(child, system, parent=pts[child.parent_turn_index]))))
+            for sub, spts in groups:
+                assert len(spts) == len(sub.turns)
+                for pt in spts:
+                    t = pt.turn
+                    if _fresh(t):
+                        assert t.input_tokens >= pw.min_context(system), t
+                    elif t.turn_index == 0:  # a sub-agent's task appended to its parent's context
+                        assert t.new_tokens >= pw.min_fork_task, t
+                    else:
+                        assert t.new_tokens >= pw.min_step, t
+                for pt in spts[:3]:  # the full tokenization is slow: the first turns (fresh, fork, steps)
+                    assert pw.count(pt.messages) == pt.turn.input_tokens
+                    checked += 1
+    assert checked > 100
+
+
+def test_prompt_writer_clamps_instead_of_raising(tok):
+    from llmd.workload.sessions import SessionPlan, Turn
+
+    pw = PromptWriter(tok, run_salt(0, "clamp"))
+    turns = [
+        Turn("x", 0, None, False, 3, 3, 2, 0.0),  # far below the framing of system + user
+        Turn("x", 1, None, False, 9, 1, 2, 1.0),  # a step smaller than its framing
+        Turn("x", 2, None, False, 4, 4, 2, 1.0, compaction=True),
+    ]
+    pts = list(pw.session(SessionPlan("x", 0, 0, turns), system_tokens=1))
+    assert pw.count(pts[0].messages) == pw.min_context(1)
+    assert pw.count(pts[1].messages) == pw.count(pts[0].messages) + 2 + pw.min_step
+    assert pw.count(pts[2].messages) == pw.min_context(1)
+    child = [Turn("x/t0.0", 0, "x", True, 5, 0, 1, 0.0)]
+    (cpt,) = pw.session(SessionPlan("x/t0.0", 0, 0, child, "x", 0), 1, parent=pts[0])
+    assert pw.count(cpt.messages) == pw.count(pts[0].messages) + pw.min_fork_task
+
+
+def test_subagent_inputs_never_exceed_max_context(tok):
+    # The demo's shape: a 4096-token window with contexts scaled to a few thousand tokens and frequent forks.
+    params = {"fork_p": 0.2, "max_context": 100_000}
+    resets = first_resets = subagents = 0
+    for seed in range(10):
+        prof = build_profile("trace-stats", concurrency=4, context_scale=0.04, params=params)
+        cap = plan_cap(prof)
+        assert cap == 4000
+        for plan in _plans(prof, 4, seed=seed):
+            for sub in plan.walk():
+                for t in sub.turns:
+                    assert t.input_tokens <= cap, t
+                    if t.is_subagent:
+                        subagents += 1
+                        resets += t.reset
+                        first_resets += t.reset and t.turn_index == 0
+                        if t.reset:
+                            assert t.new_tokens == t.input_tokens
+    assert subagents > 100 and resets > 0 and first_resets > 0
+    # A capped sub-agent's first turn is a fresh context: the writer builds it without the parent's messages.
+    w = Workload(build_profile("trace-stats", concurrency=4, context_scale=0.04, params=params), 0, "s")
+    pw = PromptWriter(tok, w.salt)
+    plan = next(p for p in w.sessions() if any(c.turns[0].reset for c in p.children))
+    child = next(c for c in plan.children if c.turns[0].reset)
+    parent = list(pw.session(plan, w.profile.model.system))[child.parent_turn_index]
+    first = next(iter(pw.session(child, w.profile.model.system, parent=parent)))
+    assert pw.count(first.messages) == first.turn.input_tokens <= 4000
+    assert first.messages[0]["role"] == "system" and len(first.messages) == 2

@@ -6,7 +6,8 @@ its response; the main agent waits for them (like a blocking Task tool call) bef
 `LoadConfig.wait_subagents` is False. Requests stream (`stream_options.include_usage`) with `max_tokens` =
 the planned output and `ignore_eos`, so output lengths follow the plan.
 
-Every request becomes one row of llmd.metrics' REQUEST_COLUMNS (errors and aborted requests too, never an exception),
+Every request becomes one row of llmd.metrics' REQUEST_COLUMNS (errors and aborted requests too, never an exception;
+a turn whose prompt cannot be built is an error row with status 0 that ends its session, not the run),
 and every second one client time-series row. `run_load` stops starting turns when the duration, the request budget or
 the plans end, or when `stop` is set (or Ctrl-C arrives): in-flight requests are cancelled and recorded as aborted,
 and the file is closed with every row so far.
@@ -35,7 +36,7 @@ import numpy as np
 from llmd.metrics.writer import MetricsWriter
 from llmd.workload.profiles import Workload
 from llmd.workload.prompts import PromptTurn, PromptWriter
-from llmd.workload.sessions import SessionPlan
+from llmd.workload.sessions import SessionPlan, Turn
 
 ABORTED = "aborted"
 
@@ -237,9 +238,18 @@ class _Run:
         for child in plan.children:
             by_turn.setdefault(child.parent_turn_index or 0, []).append(child)
         children: list[asyncio.Task[None]] = []
+        prompts = self.prompts.session(plan, self.system_tokens, parent)
         try:
-            for pt in self.prompts.session(plan, self.system_tokens, parent):
-                turn = pt.turn
+            for turn in plan.turns:
+                # A prompt that cannot be built ends its session with an error row (at the turn's planned time),
+                # never the run.
+                failure = None
+                try:
+                    pt = next(prompts, None)
+                except Exception as e:
+                    pt, failure = None, f"prompt: {type(e).__name__}: {e}"
+                if pt is None and failure is None:
+                    return
                 planned = ready + turn.gap_before_s
                 if self.duration is not None and planned >= self.duration:
                     return  # it would start after the end: do not sleep until then
@@ -252,6 +262,10 @@ class _Run:
                 self.stats.delay_sum += late
                 self.stats.gap_sum += turn.gap_before_s
                 self.stats.delay_n += 1
+                if failure is not None or pt is None:
+                    self.prompt_error(turn, failure or "prompt: missing")
+                    await asyncio.sleep(0)  # let the other agents run, should every session fail at once
+                    return
                 ok = await self.request(pt)
                 if not ok:
                     return  # a failed turn ends its session: the conversation cannot continue
@@ -280,6 +294,21 @@ class _Run:
         await self.session(plan, parent)
 
     # -- one request ---------------------------------------------------------------------------------------------
+
+    def prompt_error(self, turn: Turn, error: str) -> None:
+        """The row of a turn whose prompt could not be built: never sent (status 0), counted as a request."""
+        self.stats.started += 1
+        t = self.now()
+        row: dict[str, Any] = {
+            "request_id": f"{turn.session_id}#{turn.turn_index}",
+            "session": turn.session_id,
+            "turn": turn.turn_index,
+            "is_subagent": turn.is_subagent,
+            "send_time": t,
+            "status": 0,
+            "error": error,
+        }
+        self._record(row, t)
 
     async def request(self, pt: PromptTurn) -> bool:
         """Send one turn and write its row; True when it succeeded."""

@@ -42,7 +42,15 @@ class PromptTurn:
 
 
 class PromptWriter:
-    """Writes deterministic text of exact token counts for one tokenizer and one run salt."""
+    """Writes deterministic text of exact token counts for one tokenizer and one run salt.
+
+    Every message needs at least one token of content beyond its fixed chat framing, so a prompt has a minimum
+    renderable size: `min_context(system_tokens)` for a fresh context (session start, reset, compaction), `min_step`
+    for an appended assistant + tool step and `min_fork_task` for a sub-agent's task message, and `min_system` for
+    the salted system prompt. The planner's floors (llmd.workload.sessions: MIN_SYSTEM_TOKENS, MIN_TASK_TOKENS,
+    MIN_NEW_TOKENS) exceed these for common chat templates; should a plan still ask for less, the writer clamps the
+    text to one token (never raises): that prompt and the session's later ones then exceed the plan by the shortfall.
+    """
 
     def __init__(self, tokenizer: Any, salt: str) -> None:
         self.tok = tokenizer
@@ -67,6 +75,32 @@ class PromptWriter:
         self._step_cost = n([sys_, usr, ast, tool]) - n([sys_, usr]) - self._ns[VOCAB.index("result")]
         self._step_cost -= self._ns[VOCAB.index("error")]
         self._fork_cost = n([sys_, usr, usr]) - n([sys_, usr]) - c[1]
+
+    # -- minimum renderable sizes --------------------------------------------------------------------------------
+
+    @property
+    def min_system(self) -> int:
+        """Fewest tokens of a system prompt: the salt, a newline and one token of text."""
+        return self._salt_cost + self._nl + 1 if self.salt else 1
+
+    def min_context(self, system_tokens: int) -> int:
+        """Fewest tokens of a fresh context's prompt: the system prompt, the framing and one token of user text."""
+        return max(system_tokens, self.min_system) + self._init_cost + 1
+
+    @property
+    def min_step(self) -> int:
+        """Fewest tokens an appended step (assistant reply framing + tool result) adds beyond the reply text."""
+        return int(self._step_cost) + 1
+
+    @property
+    def min_fork_task(self) -> int:
+        """Fewest tokens of a sub-agent's task message (framing + one token of text)."""
+        return self._fork_cost + 1
+
+    @staticmethod
+    def _fit(n_tokens: int, framing: int) -> int:
+        """Tokens of text for a message of `n_tokens` with `framing`: at least one (the clamp of the class doc)."""
+        return max(1, int(n_tokens) - int(framing))
 
     # -- text ---------------------------------------------------------------------------------------------------
 
@@ -104,36 +138,34 @@ class PromptWriter:
     def system_prompt(self, n_tokens: int) -> str:
         """The shared system prompt, headed by the run salt so no run reuses another run's cache."""
         if not self.salt:
-            return self.text(n_tokens, "system")
-        body = n_tokens - self._salt_cost - self._nl
-        if body < 1:
-            raise ValueError(f"system prompt of {n_tokens} tokens cannot hold the salt")
-        return self.salt + "\n" + self.text(body, "system")
+            return self.text(max(1, n_tokens), "system")
+        return self.salt + "\n" + self.text(self._fit(n_tokens, self._salt_cost + self._nl), "system")
 
     # -- sessions -----------------------------------------------------------------------------------------------
 
     def session(self, plan: SessionPlan, system_tokens: int, parent: PromptTurn | None = None):
         """Yield a PromptTurn per turn of `plan`; a sub-agent plan needs `parent`, its parent's PromptTurn at the
-        fork turn."""
+        fork turn (unless its first turn is a reset). Text sizes are clamped to the minimum renderable size (see
+        the class doc), so a small plan never raises."""
         messages: list[dict[str, Any]] = []
         prev: PromptTurn | None = None
         for turn in plan.turns:
             key = f"{plan.session_id}/{turn.turn_index}"
-            if turn.turn_index == 0 and turn.is_subagent:
+            if turn.turn_index == 0 and turn.is_subagent and not turn.reset:
                 if parent is None:
                     raise ValueError(f"sub-agent {plan.session_id} needs its parent's PromptTurn")
-                task = turn.new_tokens - self._fork_cost
+                task = self._fit(turn.new_tokens, self._fork_cost)
                 messages = [*parent.messages, {"role": "user", "content": self.text(task, key + "/task")}]
             elif prev is None or turn.reset or turn.compaction:
                 sys_text = self.system_prompt(system_tokens)
-                body = turn.input_tokens - system_tokens - self._init_cost
+                body = self._fit(turn.input_tokens, max(system_tokens, self.min_system) + self._init_cost)
                 what = "summary" if turn.compaction else "task"
                 messages = [
                     {"role": "system", "content": sys_text},
                     {"role": "user", "content": self.text(body, f"{key}/{what}")},
                 ]
             else:
-                tool = turn.new_tokens - self._step_cost
+                tool = self._fit(turn.new_tokens, self._step_cost)
                 messages = [
                     *messages,
                     {"role": "assistant", "content": prev.output_text},

@@ -14,19 +14,28 @@ import numpy as np
 
 from llmd.workload.distributions import Quantiles
 
+# Floors of the plan, in tokens, so that every planned prompt can be rendered at its exact size: a prompt has fixed
+# chat framing (role markers, the template's own text) that the prompt writer subtracts before writing at least one
+# token of content. The planner has no tokenizer, so the floors are sized for common chat templates (the tiny
+# model's: 19 tokens of framing for system + user, 16 for an assistant + tool step, 6 for a sub-agent's task
+# message); `PromptWriter` clamps any shortfall for a template with larger framing (see its docstring).
 # Fewest tokens a turn may add: a tool message needs room for its chat framing (role markers) plus some content.
 MIN_NEW_TOKENS = 24
-# Fewest tokens of a whole context beyond the shared system prompt (the first user message).
-MIN_TASK_TOKENS = 16
+# Fewest tokens of a whole context beyond the shared system prompt: the first user message with the framing of the
+# system and user messages and the generation prompt.
+MIN_TASK_TOKENS = 64
+# Fewest tokens of the shared system prompt: the run salt (16 letters), a newline and some text.
+MIN_SYSTEM_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
 class Turn:
     """One request of a session. `input_tokens` is the whole prompt; `new_tokens` what it adds over the previous
     turn's input + output (the whole input at a session's first turn, a reset or a compaction; the task text at a
-    sub-agent's first turn); `gap_before_s` the tool time between the previous turn's response and this request
-    (for a session's first turn: its start offset; for a sub-agent's first turn: 0, it starts with its parent's
-    response); `forks` how many sub-agents start when this turn's response completes."""
+    sub-agent's first turn, unless that is a reset because the parent's context plus the task would exceed the
+    cap); `gap_before_s` the tool time between the previous turn's response and this request (for a session's first
+    turn: its start offset; for a sub-agent's first turn: 0, it starts with its parent's response); `forks` how many
+    sub-agents start when this turn's response completes."""
 
     session_id: str
     turn_index: int
@@ -95,7 +104,7 @@ class SessionModel:
 
     @property
     def system(self) -> int:
-        return max(MIN_TASK_TOKENS, round(self.system_tokens * self.context_scale))
+        return max(MIN_SYSTEM_TOKENS, round(self.system_tokens * self.context_scale))
 
     def tokens(self, values: np.ndarray, minimum: int) -> np.ndarray:
         return np.maximum(np.rint(values * self.context_scale).astype(np.int64), minimum)
@@ -105,7 +114,13 @@ class SessionModel:
 
 
 def _context_floor(model: SessionModel) -> int:
+    """The smallest whole context: the system prompt plus the first user message with its framing."""
     return model.system + MIN_TASK_TOKENS
+
+
+def _max_context(model: SessionModel) -> int:
+    """The scaled context cap; never below the floor plus one turn's growth, so a fresh context can always grow."""
+    return max(_context_floor(model) + MIN_NEW_TOKENS, round(model.max_context * model.context_scale))
 
 
 def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s: float = 0.0) -> SessionPlan:
@@ -113,7 +128,7 @@ def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s
     rng = np.random.default_rng([seed, 0, agent, index])
     sid = f"a{agent}-s{index}"
     n = int(model.turns.sample_int(rng, 1)[0])
-    max_ctx = max(_context_floor(model) + MIN_NEW_TOKENS, round(model.max_context * model.context_scale))
+    max_ctx = _max_context(model)
     floor = _context_floor(model)
     growth = model.tokens(model.growth.sample(rng, n), MIN_NEW_TOKENS)
     output = model.tokens(model.output.sample(rng, n), 1)
@@ -157,7 +172,9 @@ def _forks(forks: np.ndarray, groups: np.ndarray, t: int) -> int:
 
 def _plan_subagent(model: SessionModel, seed: int, agent: int, index: int, parent: Turn, k: int) -> SessionPlan:
     # A sub-agent starts from its parent's context at the fork turn (sharing its prefix) plus its own task text,
-    # then appends like any agent; it neither resets nor forks.
+    # then appends like any agent; it never forks. It obeys the main sessions' cap: a turn that would exceed
+    # max_context starts a new context (a reset), its first turn included (it then does not share its parent's
+    # prefix). Random resets and compactions are the main agent's only.
     rng = np.random.default_rng([seed, 1, agent, index, parent.turn_index, k])
     sid = f"{parent.session_id}/t{parent.turn_index}.{k}"
     n = int(model.subagent_turns.sample_int(rng, 1)[0])
@@ -165,11 +182,21 @@ def _plan_subagent(model: SessionModel, seed: int, agent: int, index: int, paren
     growth = model.tokens(model.growth.sample(rng, n), MIN_NEW_TOKENS)
     output = model.tokens(model.output.sample(rng, n), 1)
     gaps = model.gap_s.sample(rng, n) * model.time_scale
+    # Drawn last, so the draws above (and the plans of sub-agents that never hit the cap) are as before.
+    max_ctx = _max_context(model)
+    starts = np.minimum(model.tokens(model.initial.sample(rng, n), _context_floor(model)), max_ctx)
     ctx = parent.input_tokens + task
-    turns = [Turn(sid, 0, parent.session_id, True, ctx, task, int(output[0]), 0.0)]
+    if ctx > max_ctx:
+        ctx = int(starts[0])
+        turns = [Turn(sid, 0, parent.session_id, True, ctx, ctx, int(output[0]), 0.0, reset=True)]
+    else:
+        turns = [Turn(sid, 0, parent.session_id, True, ctx, task, int(output[0]), 0.0)]
     for t in range(1, n):
-        ctx += int(output[t - 1]) + int(growth[t])
-        turns.append(Turn(sid, t, parent.session_id, True, ctx, int(growth[t]), int(output[t]), float(gaps[t])))
+        nxt = ctx + int(output[t - 1]) + int(growth[t])
+        reset = nxt > max_ctx
+        ctx = int(starts[t]) if reset else nxt
+        new = ctx if reset else int(growth[t])
+        turns.append(Turn(sid, t, parent.session_id, True, ctx, new, int(output[t]), float(gaps[t]), reset))
     return SessionPlan(sid, agent, index, turns, parent.session_id, parent.turn_index)
 
 
