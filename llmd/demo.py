@@ -64,6 +64,9 @@ class PolicyRun:
 # ---- setup -----------------------------------------------------------------------------------------------------------
 
 
+DEMO_DECODE = {"nodes": 2, "replicas": 2}
+
+
 def _load_spec(args: argparse.Namespace) -> Any:
     from llmd.spec import DeploymentSpec, SpecError, load_spec
 
@@ -71,6 +74,10 @@ def _load_spec(args: argparse.Namespace) -> Any:
         spec = load_spec(args.spec) if args.spec else DeploymentSpec()
     except SpecError as exc:
         raise UserError(str(exc)) from exc
+    if not args.spec:
+        # The embedded deployment with two decode engines: with one there is nothing to route, and --compare would
+        # show three identical columns.
+        spec = spec.model_copy(update={"decode": spec.decode.model_copy(update=DEMO_DECODE)})
     if spec.engine.kind != "sim":
         raise UserError(f"`llmd demo` runs simulated engines; the spec says engine.kind {spec.engine.kind!r}")
     workload = spec.workload.model_dump()
