@@ -1,8 +1,9 @@
 """`llmd demo`: the main job on one machine, in-process, in under two minutes on two cores.
 
-From a deployment spec (default: the embedded one, disaggregated: 1 prefill + 1 decode engine on models/tiny), the
-spec's simulated engines start in this process (SimServer, on free ports), the router in front of them (llmd.router,
-the spec's policy), and the load generator drives the workload through the router into results/<run>/metrics.h5.
+From a deployment spec (default: the embedded one, disaggregated: 3 prefill + 2 decode engines on models/tiny with small
+KV caches, so that routing decides what stays cached), the spec's simulated engines start in this process (SimServer,
+on free ports), the router in front of them (llmd.router, the spec's policy), and the load generator drives the
+workload through the router into results/<run>/metrics.h5.
 Then: a summary table (throughput, TTFT, router queue, cache hits, preemptions from the engines' /metrics, errors),
 PNG figures next to the HDF5, and every server, socket and task stopped, on success, error or Ctrl-C alike.
 
@@ -29,12 +30,12 @@ DEFAULT_DURATION_S = 60.0
 COMPARE_DURATION_S = 30.0  # per policy: three runs still finish in under two minutes
 SHORT_DURATION_S = 5.0
 # The default demo's agentic profile, scaled for a 2-core machine and the tiny model's 4096-token window:
-# AutomationBench's closed-loop coding agents with contexts at 4% (sessions start at 480 tokens and grow to ~2.6K),
+# AutomationBench's 8 closed-loop coding agents with contexts at 4% (sessions start at 480 tokens and grow to ~2.6K),
 # 0.3 s tool gaps, two-turn sub-agents. No compactions: at this scale a compaction can shrink a context below the
 # prompt writer's floor (llmd.workload.prompts raises "need at least one token of text").
 DEMO_WORKLOAD: dict[str, Any] = {
     "profile": "automationbench",
-    "concurrency": 6,
+    "concurrency": 8,
     "context_scale": 0.04,
     "params": {
         "initial": 12_000,
@@ -64,7 +65,15 @@ class PolicyRun:
 # ---- setup -----------------------------------------------------------------------------------------------------------
 
 
+# The embedded deployment: 3 prefill + 2 decode engines, each with a deliberately small KV cache (800 blocks of 16
+# tokens) that holds about its own share of the agents' sessions but not all of them. With the tiny model's derived
+# capacity (hundreds of thousands of blocks on the H100 profile) nothing is ever evicted and every policy hits the
+# cache alike. Several prefill engines matter too: on the P/D path the hits reported are the prefill side's, and a
+# single prefill engine would see every session whatever the policy. Constrained, sticky routing keeps each session's
+# prefix where it was computed; spraying (round-robin) makes every engine hold every session, and they evict.
+DEMO_PREFILL = {"nodes": 3, "replicas": 3}
 DEMO_DECODE = {"nodes": 2, "replicas": 2}
+DEMO_KV = {"gpu_blocks": 800}
 
 
 def _load_spec(args: argparse.Namespace) -> Any:
@@ -77,7 +86,13 @@ def _load_spec(args: argparse.Namespace) -> Any:
     if not args.spec:
         # The embedded deployment with two decode engines: with one there is nothing to route, and --compare would
         # show three identical columns.
-        spec = spec.model_copy(update={"decode": spec.decode.model_copy(update=DEMO_DECODE)})
+        spec = spec.model_copy(
+            update={
+                "prefill": spec.prefill.model_copy(update=DEMO_PREFILL),
+                "decode": spec.decode.model_copy(update=DEMO_DECODE),
+                "kv": spec.kv.model_copy(update=DEMO_KV),
+            }
+        )
     if spec.engine.kind != "sim":
         raise UserError(f"`llmd demo` runs simulated engines; the spec says engine.kind {spec.engine.kind!r}")
     workload = spec.workload.model_dump()

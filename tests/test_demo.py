@@ -86,11 +86,12 @@ def test_demo_short_runs_end_to_end_and_cleans_up(tmp_path, monkeypatch, capsys,
     for name in ("ttft_cdf.png", "throughput.png", "cache_hit_per_turn.png"):
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
+    assert "(3 prefill + 2 decode)" in out  # the embedded deployment's title
     for label in ("requests", "TTFT p90", "router queue p90", "cache-hit share", "preemptions", "errors"):
         assert label in out
     assert " 18 " in out  # the requests row
     # Nothing left behind: every port free again, no child processes, no new non-daemon threads.
-    assert len(used_ports) >= 2 + 2  # two engines (HTTP + ZMQ) and the router
+    assert len(used_ports) >= 5 * 2 + 1  # five engines (HTTP + ZMQ) and the router
     for port in used_ports:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -130,3 +131,17 @@ def test_demo_rejects_a_duration_that_is_no_number(capsys) -> None:
         main(["demo", "--duration", "soon"])
     assert exc.value.code == 2
     assert "--duration" in capsys.readouterr().err
+
+
+def test_demo_embedded_deployment_has_a_constrained_kv_cache(tmp_path) -> None:
+    """Routing must matter in the default demo: several engines per role, each too small to cache every session."""
+    import argparse
+
+    from llmd.demo import _load_spec
+
+    args = argparse.Namespace(spec=None, short=False, compare=True, duration=None)
+    spec = _load_spec(args)
+    assert spec.prefill.replicas >= 2 and spec.decode.replicas >= 2
+    assert spec.kv.gpu_blocks is not None and spec.kv.gpu_blocks <= 2048
+    assert spec.kv.cpu_bytes == 0
+    assert spec.workload.concurrency > spec.decode.replicas
