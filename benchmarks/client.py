@@ -20,14 +20,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.models.tiny import make_tiny  # noqa: E402
 from llmd.spec.model import WorkloadSpec  # noqa: E402
 from llmd.tokens import Tokenizer  # noqa: E402
@@ -75,19 +74,12 @@ def start_engine(model_dir: Path, port: int, cores: set[int]) -> subprocess.Pope
         "WARNING",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, cores), stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/health"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("engine did not become healthy")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 60, name="llmd engine sim")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
 
 
 def level(url: str, model_dir: Path, tok: Tokenizer, out: Path, agents: int, seconds: float) -> tuple[float, float]:

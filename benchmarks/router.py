@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -34,6 +33,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.kv.hashing import BlockHasher, event_hash  # noqa: E402
 from llmd.kv.index import KVIndex  # noqa: E402
 from llmd.models.tiny import make_tiny  # noqa: E402
@@ -169,19 +169,6 @@ def pinned(cmd: list[str], cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu), *cmd] if hasattr(os, "sched_setaffinity") else cmd
 
 
-def wait_health(url: str, procs: list[subprocess.Popen], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a process exited early while waiting for {url}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} not healthy in {timeout} s")
-
-
 class Stack:
     """`llmd engine sim --all` and `llmd router` for one spec, as separate pinned processes."""
 
@@ -194,14 +181,14 @@ class Stack:
         self.router = None
         try:
             for u in engine_urls:
-                wait_health(u, [self.engines])
+                wait_healthy(u + "/health", self.engines, 60, name="llmd engine sim --all")
             self.router = subprocess.Popen(
                 pinned([*llmd, "router", "--spec", str(spec), "--policy", policy, "--port", str(router_port),
                         "--log-level", "WARNING"], 0),
                 stdout=subprocess.DEVNULL, cwd=ROOT,
             )  # fmt: skip
             self.url = f"http://127.0.0.1:{router_port}"
-            wait_health(self.url, [self.engines, self.router])
+            wait_healthy(self.url + "/health", [self.engines, self.router], 60, name="llmd router")
             time.sleep(1.5)  # the router's first health round and event subscriptions
         except BaseException:
             self.stop()

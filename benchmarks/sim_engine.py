@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -31,6 +30,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.models.tiny import make_tiny  # noqa: E402
 from llmd.perf import LatencyModel, Parallelism, get_gpu, get_model  # noqa: E402
 
@@ -69,17 +69,12 @@ def start_engine(spec: Path, port: int, extra: list[str], cpu: int | None) -> su
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         cmd = ["taskset", "-c", str(cpu), *cmd]
     proc = subprocess.Popen(cmd, cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {proc.returncode}") from None
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("engine did not become healthy in 60 s")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 60, name="llmd engine sim")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -45,21 +45,30 @@ def vllm_command(model: str, port: int, args: Sequence[str] = (), python: str = 
     ]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+def wait_healthy(
+    url: str,
+    procs: subprocess.Popen | Sequence[subprocess.Popen],
+    timeout_s: float,
+    log: Path | None = None,
+    name: str = "vLLM",
+) -> None:
+    """Return once GET `url` answers 200; raise EngineStartError (with the log's tail) if one of `procs` exits first
+    or the time runs out. Any server llmd starts as a child process is waited for here."""
+    group = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
+    where = f"; log {log}:\n{log_tail(log)}" if log is not None else ""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EngineStartError(
-                f"vLLM exited with code {proc.returncode} before it was healthy; log {log}:\n{log_tail(log)}"
-            )
+        for proc in group:
+            if proc.poll() is not None:
+                raise EngineStartError(f"{name} exited with code {proc.returncode} before it was healthy{where}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(0.5)
-    raise EngineStartError(f"vLLM was not healthy at {url} after {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")
+        time.sleep(0.25)
+    raise EngineStartError(f"{name} was not healthy at {url} after {timeout_s:.0f} s{where}")
 
 
 @contextmanager

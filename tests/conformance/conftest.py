@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import zmq
 
-from llmd.engines.vllm_server import log_tail, stop_process_group
+from llmd.engines.vllm_server import log_tail, stop_process_group, wait_healthy
 from llmd.kv.events import is_replay_end, replay_request
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
@@ -167,21 +167,6 @@ def _subscriber(endpoint: str) -> zmq.Socket:
     return sub
 
 
-def _wait_healthy(name: str, url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was healthy:\n{log_tail(log)}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{name} was not healthy at {url} after {timeout_s:.0f} s:\n{log_tail(log)}")
-
-
 def _have_vllm() -> bool:
     try:
         return importlib.util.find_spec("vllm") is not None
@@ -259,7 +244,7 @@ def sim_server(tiny_model: Path, workdir: Path) -> Iterator[Server]:
                 time.sleep(0.1)
         if url is None:
             raise RuntimeError(f"sim did not report its URL in {SIM_START_TIMEOUT_S} s:\n{log_tail(log)}")
-        _wait_healthy("sim", url, proc, log, SIM_START_TIMEOUT_S)
+        wait_healthy(url + "/health", proc, SIM_START_TIMEOUT_S, log, name="sim")
         sub = _subscriber(pub)
         yield Server("sim", url, replay, pub, tiny_model, log, proc, sub)
     finally:
@@ -316,7 +301,7 @@ def vllm_server(tiny_model: Path, workdir: Path) -> Iterator[Server]:
     sub: zmq.Socket | None = None
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy("vLLM", url, proc, log, VLLM_START_TIMEOUT_S)
+        wait_healthy(url + "/health", proc, VLLM_START_TIMEOUT_S, log, name="vLLM")
         sub = _subscriber(pub)
         yield Server("vllm", url, replay, pub, tiny_model, log, proc, sub)
     finally:
