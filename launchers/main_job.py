@@ -1,0 +1,229 @@
+"""Component 0 of a run's het job: wait for the engines in the discovery file, start the router on it, drive the
+benchmark client through the router into this attempt's HDF5 part, and merge every attempt's part into metrics.h5.
+
+It watches the engine components all along (their srun exit codes land in RUN/exit/<role>.rc): when one dies, the
+benchmark stops (its rows so far are kept), the run is marked FAILED with the cause, and the non-zero exit ends the
+batch script, so Slurm kills every step left and nothing keeps holding nodes. Run by submitit (`MainJob`, which also
+checkpoints for requeue) or directly (`python -m launchers.main_job`, the plain sbatch template).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from launchers.discovery import DISCOVERY_FILE, read_entries
+from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
+from llmd.launch.runstate import read_state, update_state
+from llmd.spec import load_spec
+from llmd.spec.layout import engine_endpoints
+
+POLL_S = 1.0
+PROGRESS_EVERY_S = 3.0
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on; the message is the cause recorded in run.json."""
+
+
+def _engine_exit(run_dir: Path) -> str | None:
+    """The cause, if an engine component's srun has ended (engines never end on their own while the run is on)."""
+    for rc_file in sorted((run_dir / "exit").glob("*.rc")):
+        role = rc_file.stem
+        code = rc_file.read_text().strip() or "?"
+        logs = sorted((run_dir / "logs").glob(f"{role}-*.log"))
+        last = ""
+        for log in logs:
+            lines = [ln for ln in log_tail(log, 20).splitlines() if ln.strip()]
+            if lines:
+                last = lines[-1].strip()
+        where = f"; logs {', '.join(str(p) for p in logs)}" if logs else ""
+        said = f": {last}" if last else ""
+        return f"{role} component exited with code {code}{said}{where}"
+    return None
+
+
+def _rows(path: Path) -> int:
+    if not path.exists():
+        return 0
+    try:
+        from llmd.metrics.reader import open_metrics
+
+        with open_metrics(path) as f:
+            return int(f["requests"].shape[0]) if "requests" in f else 0
+    except (OSError, KeyError, ValueError):
+        return 0  # being created, or a killed writer's file: counted once it is readable
+
+
+def _parts(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "parts").glob("attempt-*/metrics.h5"), key=lambda p: int(p.parent.name.split("-")[1]))
+
+
+def merge_parts(run_dir: Path) -> Path | None:
+    """metrics.h5 = every attempt's rows; rebuilt beside and swapped in, so a failed merge never loses the old one."""
+    from llmd.metrics.merge import merge_runs
+
+    parts = [p for p in _parts(run_dir) if _rows(p) > 0]
+    if not parts:
+        return None
+    out = run_dir / "metrics.h5"
+    tmp = run_dir / ".metrics.h5.merging"
+    merge_runs(parts, tmp, overwrite=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _wait_for_engines(run_dir: Path, names: set[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    discovery = run_dir / DISCOVERY_FILE
+    while time.monotonic() < deadline:
+        cause = _engine_exit(run_dir)
+        if cause:
+            raise RunFailed(f"before all engines were ready: {cause}")
+        listed = {e.get("name") for e in read_entries(discovery)}
+        if names <= listed:
+            return
+        time.sleep(POLL_S)
+    missing = sorted(names - {e.get("name") for e in read_entries(discovery)})
+    raise RunFailed(f"engines {', '.join(missing)} not ready after {timeout_s:.0f} s; see {run_dir / 'logs'}")
+
+
+def _start_router(spec_path: Path, run_dir: Path, port: int) -> subprocess.Popen:
+    log = run_dir / "logs" / "router.log"
+    cmd = [sys.executable, "-u", "-m", "llmd.cli", "router", "--spec", str(spec_path)]
+    cmd += ["--discovery", str(run_dir / DISCOVERY_FILE), "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 120, log, name="router")
+    except EngineStartError as exc:
+        stop_process_group(proc, grace_s=5)
+        raise RunFailed(str(exc)) from None
+    return proc
+
+
+def run_main(spec_path: Path, run_dir: Path) -> int:
+    spec = load_spec(spec_path)
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    job_id = os.environ.get("SLURM_JOB_ID") or None
+    nodes = {}
+    for f in sorted(run_dir.glob("nodes-*.txt")):
+        nodes[f.stem.removeprefix("nodes-")] = f.read_text().split()
+    before = read_state(run_dir) if (run_dir / "run.json").exists() else {}
+    done_s = sum(float(v) for k, v in before.get("attempt_elapsed_s", {}).items() if int(k) < attempt)
+    remaining = spec.workload.duration_s - done_s
+    update_state(
+        run_dir, state="RUNNING", phase="starting engines", attempt=attempt, nodes=nodes, cause=None, job_id=job_id,
+        logs={"main": str(run_dir / "logs" / "main.log"), "router": str(run_dir / "logs" / "router.log"),
+              "engines": str(run_dir / "logs" / "{prefill,decode}-*.log")},
+    )  # fmt: skip
+    router: subprocess.Popen | None = None
+    bench: subprocess.Popen | None = None
+    try:
+        names = {ep.name for ep in engine_endpoints(spec)}
+        _wait_for_engines(run_dir, names, spec.engine.startup_timeout_s + 30)
+        update_state(run_dir, phase="starting router")
+        port = spec.router.port
+        router = _start_router(spec_path, run_dir, port)
+        if remaining <= 0:
+            update_state(run_dir, phase="benchmark already complete in earlier attempts")
+        else:
+            part = run_dir / "parts" / f"attempt-{attempt}"
+            while part.exists():  # an attempt re-run under the same restart count: never overwrite its rows
+                part = part.with_name(part.name + "b")
+            bench_log = run_dir / "logs" / f"bench-{attempt}.log"
+            cmd = [sys.executable, "-u", "-m", "llmd.cli", "bench", "--spec", str(spec_path)]
+            cmd += ["--url", f"http://127.0.0.1:{port}", "--output", str(part.parent), "--run", part.name]
+            cmd += ["--duration", f"{remaining:g}", "--no-progress"]
+            update_state(run_dir, phase="benchmark", logs={"bench": str(bench_log)})
+            with open(bench_log, "ab") as fh:
+                bench = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            t0, last = time.monotonic(), 0.0
+            earlier = sum(_rows(p) for p in _parts(run_dir) if p.parent != part)
+            while bench.poll() is None:
+                cause = _engine_exit(run_dir)
+                if cause is None and router.poll() is not None:
+                    cause = f"router exited with code {router.returncode}; see {run_dir / 'logs' / 'router.log'}"
+                if cause:
+                    bench.send_signal(signal.SIGINT)  # stops cleanly: in-flight requests recorded, file closed
+                    raise RunFailed(cause)
+                if time.monotonic() - last > PROGRESS_EVERY_S:
+                    last = time.monotonic()
+                    elapsed = last - t0
+                    update_state(
+                        run_dir,
+                        progress={"requests": earlier + _rows(part / "metrics.h5"), "elapsed_s": round(elapsed, 1)},
+                        attempt_elapsed_s={str(attempt): round(elapsed, 1)},
+                    )
+                time.sleep(POLL_S)
+            update_state(run_dir, attempt_elapsed_s={str(attempt): round(time.monotonic() - t0, 1)})
+            if bench.returncode != 0:
+                raise RunFailed(f"benchmark client exited with code {bench.returncode}:\n{log_tail(bench_log, 15)}")
+        result = merge_parts(run_dir)
+        total = _rows(result) if result else 0
+        update_state(
+            run_dir, state="COMPLETED", phase="done", result=str(result) if result else None,
+            progress={"requests": total},
+        )  # fmt: skip
+        print(f"llmd main job: done, {total} requests in {result}", flush=True)
+        return 0
+    except RunFailed as exc:
+        if bench is not None:
+            try:
+                bench.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                stop_process_group(bench, grace_s=5)
+        result = None
+        try:
+            result = merge_parts(run_dir)
+        except Exception as merge_exc:  # the cause matters more than the merge; the parts stay on disk
+            print(f"llmd main job: merging parts failed: {merge_exc}", file=sys.stderr)
+        update_state(
+            run_dir, state="FAILED", phase="failed", cause=str(exc), result=str(result) if result else None,
+            progress={"requests": _rows(result) if result else 0},
+        )  # fmt: skip
+        print(f"llmd main job: FAILED: {exc}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        for proc in (bench, router):
+            if proc is not None:
+                stop_process_group(proc, grace_s=5)
+
+
+class MainJob:
+    """The callable submitit pickles: on preemption or timeout submitit calls `checkpoint` and requeues the job; the
+    next attempt starts fresh engines and benchmarks for the remaining duration into a new part file."""
+
+    def __init__(self, spec_path: Path, run_dir: Path) -> None:
+        self.spec_path = Path(spec_path)
+        self.run_dir = Path(run_dir)
+
+    def __call__(self) -> int:
+        return run_main(self.spec_path, self.run_dir)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        import submitit
+
+        update_state(self.run_dir, state="REQUEUED", phase="requeued (preempted or out of time)")
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launchers.main_job", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--run-dir", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        return run_main(args.spec, args.run_dir)
+    except RunFailed:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
