@@ -4,7 +4,7 @@ From a deployment spec (default: the embedded one, disaggregated: 3 prefill + 2 
 KV caches, so that routing decides what stays cached), the spec's simulated engines start in this process (SimServer,
 on free ports), the router in front of them (llmd.router, the spec's policy), and the load generator drives the
 workload through the router into results/<run>/metrics.h5.
-Then: a summary table (throughput, TTFT, router queue, cache hits, preemptions from the engines' /metrics, errors),
+Then: a summary table (throughput, TTFT, router queue, cache hits, preemptions from the engines' own series, errors),
 PNG figures next to the HDF5, and every server, socket and task stopped, on success, error or Ctrl-C alike.
 
 `--compare` runs the same workload (same seed, a fresh salt per run so no run profits from another's cache) under the
@@ -56,8 +56,7 @@ STOP_GRACE_S = 20.0  # after the duration, requests still running get this long 
 class PolicyRun:
     policy: str
     out_dir: Path
-    metrics: Path
-    preemptions: int | None = None
+    metrics: Path  # the run file: client, router and engine rows merged
     engine_hits: dict[str, float] = field(default_factory=dict)
     load: Any = None
 
@@ -181,7 +180,6 @@ def _metric_sum(text: str, name: str) -> float:
 
 async def _engine_counters(http: Any, urls: list[str]) -> dict[str, float]:
     names = (
-        "vllm:num_preemptions_total",
         "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total",
         "vllm:external_prefix_cache_hits_total",
@@ -202,18 +200,29 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
     import aiohttp
 
     from llmd.engines.sim.server import SimEngineGroup
+    from llmd.metrics import merge_runs
     from llmd.router.proxy import Router, RouterConfig
     from llmd.workload import profile_from_spec
     from llmd.workload.loadgen import LoadConfig, run_load
 
     spec = spec.model_copy(update={"router": spec.router.model_copy(update={"policy": policy})})
     workload = profile_from_spec(spec.workload, run_id=f"{run_id}-{policy}")  # same seed, fresh salt per run
-    rcfg = RouterConfig.from_spec(
-        spec, port=0, host="127.0.0.1", tokenizer=str(model_dir), health_interval_s=0.5, metrics_interval_s=0.5
-    )
     meta = {"spec": spec, "policy": policy, "run_id": run_id, "concurrency": spec.workload.concurrency}
+    # Each producer writes its own file, as it would in its own process on a cluster; merged into run.metrics below.
+    parts = {name: run.out_dir / f"{name}.h5" for name in ("client", "router", "engines")}
+    rcfg = RouterConfig.from_spec(
+        spec,
+        port=0,
+        host="127.0.0.1",
+        tokenizer=str(model_dir),
+        health_interval_s=0.5,
+        metrics_interval_s=0.5,
+        metrics_out=str(parts["router"]),
+        metrics_meta=meta,
+    )
     stop = asyncio.Event()
-    async with SimEngineGroup(_engine_configs(spec, model_dir)) as group:
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    async with SimEngineGroup(_engine_configs(spec, model_dir)) as group, _engine_series(group, parts, meta):
         async with Router(rcfg, [_pod_of(s) for s in group.servers]) as router:
             await _until_ready(router, len(group))
             cfg = LoadConfig(
@@ -221,7 +230,7 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
                 model=spec.model.served_name,
                 tokenizer_dir=str(model_dir),
                 workload=workload,
-                output=run.metrics,
+                output=parts["client"],
                 duration_s=spec.workload.duration_s,
                 progress=sys.stdout.isatty(),
                 meta=meta,
@@ -239,14 +248,26 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
                 counters = await _engine_counters(http, group.urls)
             except (aiohttp.ClientError, TimeoutError):
                 counters = {}
+    merge_runs([p for p in parts.values() if p.exists()], run.metrics)
     if counters:
-        run.preemptions = int(counters["vllm:num_preemptions_total"])
         queries = counters["vllm:prefix_cache_queries_total"]
         if queries > 0 and spec.kv.cpu_bytes > 0:  # a CPU tier: split the engines' hits by tier
             run.engine_hits = {
                 "gpu": counters["vllm:prefix_cache_hits_total"] / queries,
                 "cpu": counters["vllm:external_prefix_cache_hits_total"] / queries,
             }
+
+
+@contextlib.asynccontextmanager
+async def _engine_series(group: Any, parts: dict[str, Path], meta: dict[str, Any]) -> Any:
+    """The engines' per-second series (llmd.engines.sim.series) for as long as the run lasts."""
+    from llmd.engines.sim.series import EngineSeries
+
+    series = EngineSeries(group.servers, parts["engines"], meta=meta)
+    try:
+        yield series
+    finally:
+        await series.close()
 
 
 async def _until_ready(router: Any, n: int, timeout_s: float = 15.0) -> None:
@@ -311,7 +332,7 @@ def _report(spec: Any, runs: list[PolicyRun], out: Path, wall_s: float) -> None:
             continue
         df = read_requests(r.metrics)
         frames[r.policy] = df
-        s = summarize_frames(df, read_timeseries(r.metrics), label=r.policy, preemptions=r.preemptions)
+        s = summarize_frames(df, read_timeseries(r.metrics), label=r.policy)  # preemptions: the engines' series
         if r.engine_hits:
             s.hit_share_gpu, s.hit_share_cpu = r.engine_hits["gpu"], r.engine_hits["cpu"]
         summaries.append(s)

@@ -3,6 +3,7 @@ in this process over real HTTP and ZMQ on 127.0.0.1; results on disk, a summary,
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llmd.cli import main
-from llmd.metrics import read_meta, read_requests
+from llmd.metrics import read_meta, read_requests, read_timeseries
 
 pytestmark = pytest.mark.integration
 
@@ -75,9 +76,24 @@ def test_demo_short_runs_end_to_end_and_cleans_up(tmp_path, monkeypatch, capsys,
     assert (tmp_path / "models" / "tiny" / "tokenizer.json").exists()
     (run,) = (tmp_path / "results").iterdir()
     h5 = run / "metrics.h5"
-    df = read_requests(h5)
+    every = read_requests(h5)
+    # One run file from three producers' own files: the client's rows, the router's, the engines' series.
+    assert set(read_meta(h5)["sources"]) == {"client", "router", "engines"}
+    df = every[every.source == "client"]
+    router = every[every.source == "router"]
     # The smoke profile: 4 agents x 1 session x 3 turns, plus agent 0's fixed burst of 3 sub-agents x 2 turns.
     assert len(df) == 18
+    # The router saw the same requests (ids and sessions as the client sent them) and chose the pods the client saw.
+    assert len(router) == 18 and set(router["request_id"]) == set(df["request_id"])
+    both = df.merge(router, on="request_id", suffixes=("", "_r"))
+    assert (both["pod"] == both["pod_r"]).all() and (both["session"] == both["session_r"]).all()
+    assert (both["pd_path"] == both["pd_path_r"]).all()
+    ts = read_timeseries(h5)
+    engines = ts[ts.source.str.match(r"^(prefill|decode)-\d+$")]
+    assert set(engines.source) == {"prefill-0", "prefill-1", "prefill-2", "decode-0", "decode-1"}
+    assert engines["tokens_in_per_s"].sum() > 0 and (engines["preemptions"] >= 0).all()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preemptions"] == int(engines["preemptions"].sum())
     assert (df["status"] == 200).all() and (df["error"] == "").all()
     assert set(df["pd_path"]) <= {"pd", "decode-only", "p2p", "pd-fallback"} and "pd" in set(df["pd_path"])
     assert df["cached_tokens"].sum() > 0

@@ -86,8 +86,15 @@ def merge_runs(
             producer = attrs.get("producer", "")
             producer = producer.decode() if isinstance(producer, bytes) else str(producer)
             names.append((producer, _unique_name(producer, taken)))
-        for key, value in run_attrs("merge", {}, t0).items():
+        base = run_attrs("merge", {}, t0)
+        for key, value in base.items():
             out.attrs[key] = value
+        # The run's own metadata (policy, seed, profile, run id, ...) stays at the root: the first input that has a
+        # key gives its value, as a reader of a one-producer file would find it.
+        for _, attrs, _ in metas:
+            for key, value in attrs.items():
+                if (key not in base and key not in out.attrs) or (key == "seed" and out.attrs["seed"] == -1):
+                    out.attrs[key] = value
         out.attrs["schema_version"] = SCHEMA_VERSION
         out.attrs["sources"] = json.dumps([new for _, new in names])
         out.create_group("meta").create_dataset("spec", data=metas[0][2] if metas else "", dtype=h5py.string_dtype())
@@ -123,4 +130,9 @@ def merge_runs(
                         if src.dtype != dst.dtype:
                             raise ValueError(f"{path}:/{name} has dtype {src.dtype}, expected schema {dst.dtype}")
                         _copy_table(src, dst, tf, shift, old_b, new_b, f.swmr_mode)
+                if "fabric" in f:
+                    # The fabric preflight's bandwidth matrices (llmd.fabric.record): /fabric/<role>, kept as written.
+                    fabric = out.require_group("fabric")
+                    for role in f["fabric"]:
+                        f.copy(f["fabric"][role], fabric, name=_unique_name(role, set(fabric.keys())))
     return output

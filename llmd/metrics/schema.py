@@ -10,7 +10,9 @@ File layout (HDF5, libver="latest" so it can be read under SWMR while being writ
     /requests         compound, one row per request, REQUEST_COLUMNS
     /timeseries       compound, one row per (second, source), TIMESERIES_COLUMNS; every producer writes its own
                       rows tagged with `source` (one dataset, not one per source: merging is a concatenation and
-                      a reader filters with `df[df.source == "router"]`)
+                      a reader filters with `df[df.source == "router"]`). Sources: "client" (load generator),
+                      "router" (its own totals), "router/<pod>" (the router's view of one pod: inflight, the pod's
+                      reported waiting/running/KV usage), "<pod>" or "<pod>/dp<rank>" (an engine's own series)
     /meta/spec        scalar string: the deployment spec as YAML text ("" when none)
     /sources/<name>   merged files only: each input's root attrs and spec, kept as they were
 
@@ -25,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: router columns (expected_hit_tokens, route_reason; inflight, rejected, kv_transfers)
 
 NAME_BYTES = 64
 ERROR_BYTES = 256
@@ -63,6 +65,8 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("status", "<i2", 0, "HTTP status; 0 when no response came back"),
     Column("error", f"S{ERROR_BYTES}", b"", "error text, truncated"),
     Column("source", f"S{NAME_BYTES}", b"", "producer that wrote the row (the writer fills it when empty)"),
+    Column("expected_hit_tokens", "<i4", -1, "router: prompt tokens it expected cached at the chosen pod"),
+    Column("route_reason", f"S{PD_PATH_BYTES}", b"", "router: why it chose the pod (prefix-hit, load, cold, ...)"),
 )
 
 TIMESERIES_COLUMNS: tuple[Column, ...] = (
@@ -78,6 +82,9 @@ TIMESERIES_COLUMNS: tuple[Column, ...] = (
     Column("hit_share_cpu", "<f4", np.nan, "share of prompt tokens hit in CPU (offloaded) KV"),
     Column("preemptions", "<i4", -1, "preemptions in the bin"),
     Column("errors", "<i4", -1, "errors in the bin"),
+    Column("inflight", "<i4", -1, "router: requests it has in flight (in total, or at the row's pod)"),
+    Column("rejected", "<i4", -1, "router: requests refused with 429 in the bin"),
+    Column("kv_transfers", "<i4", -1, "engine: KV transfers (P/D or P2P pulls) completed in the bin"),
 )
 
 REQUEST_DTYPE = np.dtype([(c.name, c.dtype) for c in REQUEST_COLUMNS])
@@ -85,6 +92,19 @@ TIMESERIES_DTYPE = np.dtype([(c.name, c.dtype) for c in TIMESERIES_COLUMNS])
 
 REQUEST_NAMES = frozenset(REQUEST_DTYPE.names or ())
 TIMESERIES_NAMES = frozenset(TIMESERIES_DTYPE.names or ())
+
+
+def pd_path_of(headers: Mapping[str, str]) -> str:
+    """One of PD_PATHS from the router's response headers (x-llmd-pd, x-llmd-p2p-source): the client and the router
+    name a request's path the same way."""
+    pd = headers.get("x-llmd-pd", "")
+    if pd == "ok":
+        return "pd"
+    if pd == "fallback":
+        return "pd-fallback"
+    if headers.get("x-llmd-p2p-source"):
+        return "p2p"
+    return "decode-only"
 
 
 def empty_rows(dtype: np.dtype, n: int) -> np.ndarray:

@@ -75,8 +75,19 @@ def _duration(df: pd.DataFrame) -> float:
     return float(max(end.max() if end.size else send.max(), send.max()) - send.min())
 
 
-def _tier_shares(ts: pd.DataFrame) -> tuple[float | None, float | None]:
+def engine_series(ts: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The engines' own time-series rows of a merged file (not the client's, not the router's predictions); a file
+    without such rows as it is."""
+    if ts is None or "source" not in ts or not len(ts):
+        return ts
+    src = ts["source"].astype(str)
+    others = src.isin(CLIENT_SOURCES) | (src == "router") | src.str.startswith("router/")
+    return ts[~others] if (~others).any() else ts
+
+
+def _tier_shares(ts: pd.DataFrame | None) -> tuple[float | None, float | None]:
     """Mean GPU/CPU hit shares over the time-series bins that recorded them (weighted by prompt tokens if known)."""
+    ts = engine_series(ts)
     if ts is None or not len(ts):
         return None, None
     out: list[float | None] = []
@@ -89,6 +100,16 @@ def _tier_shares(ts: pd.DataFrame) -> tuple[float | None, float | None]:
         v = rows[col].astype(float).to_numpy()
         out.append(float((v * w).sum() / w.sum()) if w.sum() > 0 else float(v.mean()))
     return out[0], out[1]
+
+
+def _preemptions(ts: pd.DataFrame | None) -> int | None:
+    """Preemptions the engines recorded in their series (None when no engine wrote any)."""
+    eng = engine_series(ts)
+    if eng is None or not len(eng):
+        return None
+    p = eng["preemptions"].astype(int)
+    p = p[p >= 0]
+    return int(p.sum()) if len(p) else None
 
 
 def summarize_frames(
@@ -114,6 +135,8 @@ def summarize_frames(
     duration = _duration(df)
     per_min = 60.0 / duration if duration > 0 else 0.0
     gpu, cpu = _tier_shares(timeseries)
+    if preemptions is None:
+        preemptions = _preemptions(timeseries)
     return RunSummary(
         label=label,
         requests=n,
@@ -127,7 +150,7 @@ def summarize_frames(
         ttft_p50_s=_pct(ok["ttft_s"], 50),
         ttft_p90_s=_pct(ok["ttft_s"], 90),
         e2e_p50_s=_pct(ok["e2e_s"], 50),
-        router_queue_p90_s=_pct(requests["router_queue_s"], 90),
+        router_queue_p90_s=_pct(df["router_queue_s"], 90),
         hit_share=hit,
         hit_share_gpu=gpu,
         hit_share_cpu=cpu,

@@ -1,4 +1,5 @@
-"""`llmd router --spec FILE [--discovery FILE] [--host H] [--port P] [--policy NAME]`: run the router until a signal.
+"""`llmd router --spec FILE [--discovery FILE] [--host H] [--port P] [--policy NAME] [--metrics-out FILE]`: run the
+router until a signal.
 
 SIGTERM or SIGINT stops it.
 
@@ -35,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=typing.get_args(RouterPolicy), help="routing policy (default: the spec's)")
     p.add_argument("--engine-host", default="127.0.0.1", help="host of the spec's engines (without --discovery)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--metrics-out",
+        metavar="FILE",
+        help="write a row per routed request and per-second router series to this HDF5 file (llmd.metrics schema; "
+        "never overwritten)",
+    )
     p.set_defaults(func=run_router)
 
 
@@ -68,7 +75,14 @@ def build(args: argparse.Namespace) -> Any:
         pods: list[Any] = []
     else:
         pods = pods_from_spec(spec, args.engine_host)
-    config = RouterConfig.from_spec(spec)
+    metrics_out = getattr(args, "metrics_out", None)
+    if metrics_out is not None:
+        out = Path(metrics_out)
+        if out.exists():
+            raise UserError(f"--metrics-out {out} exists; metrics files are never overwritten, choose another path")
+        if not out.parent.is_dir():
+            raise UserError(f"--metrics-out {out}: folder {out.parent} does not exist")
+    config = RouterConfig.from_spec(spec, metrics_out=metrics_out, metrics_meta={"spec": spec})
     if spec.router.api_key_env is not None and not os.environ.get(spec.router.api_key_env):
         raise UserError(
             f"router.api_key_env names {spec.router.api_key_env}, which is not set (or empty); export the key in it "

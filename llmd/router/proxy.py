@@ -35,11 +35,13 @@ from aiohttp import web
 
 from llmd.errors import UserError
 from llmd.kv.index import KVIndex
+from llmd.metrics.schema import pd_path_of
 from llmd.router import pd as hops
 from llmd.router.admission import Admission, QueueFull
 from llmd.router.endpoints import EndpointRegistry, Pod, PodInfo
 from llmd.router.events import KVEventHub
 from llmd.router.metrics import CONTENT_TYPE, RouterMetrics, state_families
+from llmd.router.recorder import RouterRecorder
 from llmd.router.scheduling import (
     Decision,
     Endpoint,
@@ -65,6 +67,7 @@ _SKIP_RESPONSE_HEADERS = frozenset(
 )
 _FORWARD_REQUEST_HEADERS = ("X-Request-Id", "traceparent", "tracestate")
 _SSE_ERROR = b'data: {"error"'
+_CTX_KEY = web.RequestKey("llmd_ctx", object)
 
 
 @dataclass
@@ -96,6 +99,8 @@ class RouterConfig:
     offload_tokenize_bytes: int = 64 << 10  # bodies this large are tokenized off the event loop
     router_spec: Any = None  # the RouterSpec (or any RouterSettings) the scheduler reads
     seed: int = 0
+    metrics_out: str | None = None  # the router's own HDF5 (llmd.router.recorder); None: none
+    metrics_meta: dict[str, Any] | None = None  # run metadata for that file (spec, run id, ...)
 
     @classmethod
     def from_router_spec(cls, r: Any, **overrides: Any) -> RouterConfig:
@@ -203,6 +208,11 @@ class _Ctx:
     no_kv_transfer: bool = False
     queue_s: float = 0.0
     attempts: int = 0
+    # What the recorder writes: the last attempt's decision and response headers, first byte, a mid-stream error.
+    decision: Decision | None = None
+    out: dict[str, str] | None = None
+    first_byte: float = 0.0
+    error: str = ""
 
 
 class Router:
@@ -248,6 +258,7 @@ class Router:
         self._models_cache: tuple[float, bytes] | None = None
         self._tok_pool: ThreadPoolExecutor | None = None
         self._encodes_pending = 0
+        self.recorder: RouterRecorder | None = None
         self.registry.on_up.append(self._pod_up)
         self.registry.on_down.append(self._pod_down)
         self.registry.on_change.append(self.admission.pump)
@@ -274,6 +285,9 @@ class Router:
             site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
             await site.start()
             self.port = self._runner.addresses[0][1]
+            if c.metrics_out is not None:
+                meta = {"policy": c.policy, "url": self.url, **(c.metrics_meta or {})}
+                self.recorder = RouterRecorder(c.metrics_out, self.registry, self.admission, meta=meta).start()
         except BaseException:
             await self.stop()
             raise
@@ -284,6 +298,9 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.recorder is not None:
+            await self.recorder.close()  # after the app: requests cut by the shutdown still get their rows
+            self.recorder = None
         await self.registry.stop()
         await self.hub.close()
         if self.http is not None:
@@ -435,8 +452,60 @@ class Router:
 
     # ---- the request path ------------------------------------------------------------------------------------------
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        if self.recorder is None:
+            return await self._generate_one(request, kind, time.monotonic())
         t0 = time.monotonic()
+        status, error = 0, ""
+        try:
+            resp = await self._generate_one(request, kind, t0)
+            status = resp.status
+            return resp
+        except APIError as exc:
+            status, error = exc.status, exc.message
+            raise
+        except asyncio.CancelledError:
+            error = "cancelled (client gone)"
+            raise
+        except Exception as exc:
+            status, error = 500, f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._record(request, t0, status, error)
+
+    def _record(self, request: web.Request, t0: float, status: int, error: str) -> None:
+        rec = self.recorder
+        if rec is None:
+            return
+        ctx: _Ctx | None = request.get(_CTX_KEY)
+        now = time.monotonic()
+        row: dict[str, Any] = {"send_time": rec.since_start(t0), "e2e_s": now - t0, "status": status}
+        gpu = cpu = 0
+        if ctx is not None:
+            user = ctx.body.get("user")
+            row["request_id"] = ctx.request_id
+            row["session"] = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) else "")
+            row["router_queue_s"] = ctx.queue_s
+            if ctx.route_req.num_tokens:
+                row["input_tokens"] = ctx.route_req.num_tokens
+            if ctx.first_byte:
+                row["ttft_s"] = ctx.first_byte - t0
+            error = error or ctx.error
+            d = ctx.decision
+            if d is not None and ctx.out is not None:
+                h = ctx.out
+                row["pod"] = h.get("x-llmd-pod", "")
+                row["prefill_pod"] = h.get("x-llmd-prefill-pod", "")
+                row["pd_path"] = pd_path_of(h)
+                row["expected_hit_tokens"] = d.expected_hit_tokens
+                row["route_reason"] = d.reason
+                gpu, cpu = d.gpu_hit_tokens, d.cpu_hit_tokens
+        if error:
+            row["error"] = error
+        rec.request(row, gpu, cpu)
+
+    async def _generate_one(self, request: web.Request, kind: Kind, t0: float) -> web.StreamResponse:
         ctx = await self._parse(request, kind)
+        request[_CTX_KEY] = ctx
         self.metrics.routing_time.observe(time.monotonic() - t0)
         last: web.Response | None = None
         while True:
@@ -652,6 +721,7 @@ class Router:
             "x-llmd-expected-hit-tokens": str(d.expected_hit_tokens),
             "x-llmd-attempts": str(ctx.attempts),
         }
+        ctx.decision, ctx.out = d, out_headers
         if target.info.dp_size > 1:
             out_headers["x-llmd-dp-rank"] = str(rank)
         payload = ctx.raw  # forwarded untouched unless a hop adds kv_transfer_params
@@ -772,7 +842,8 @@ class Router:
                 # The engine failed the request before its first token (a failed KV pull): nothing reached the
                 # client, so another attempt (without KV transfer) can still serve it.
                 raise _Retry("stream_error", pod.name, pod_down=False)
-            dt = time.monotonic() - t0
+            ctx.first_byte = time.monotonic()
+            dt = ctx.first_byte - t0
             self.metrics.first_byte_time.observe(dt)
             out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
             resp = web.StreamResponse(status=200, headers=self._response_headers(up, out_headers))
@@ -788,6 +859,7 @@ class Router:
                 # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
                 log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
                 self.metrics.error(ctx.route, "stream_broken")
+                ctx.error = f"engine {pod.name} failed mid-stream: {exc}"
                 err = {"error": {"message": f"engine {pod.name} failed mid-stream", "type": "InternalServerError",
                                  "param": None, "code": 500}}  # fmt: skip
                 await resp.write(b"data: " + _json_encode(err) + b"\n\ndata: [DONE]\n\n")

@@ -1,6 +1,13 @@
 """`llmd bench`: drive a deployment spec's workload profile against a running router (or engine) and record every
 request to DIR/<run>/metrics.h5 (llmd.metrics schema, producer "client"); prints a summary table.
 
+Closed loop by default (the profile's agents, each running sessions back to back). `--arrival-rate R` is an open
+loop: new main sessions arrive as a Poisson process of R sessions per second (seeded by workload.seed), each running
+its turns in order, however many are already running, until --duration / --max-requests. `--trace FILE` (or
+workload.profile "trace" with workload.trace_path) replays a JSONL trace: each session starts at its first record's
+offset `t`, each turn is sent at its `t` or when the previous response is back if later, and a record's `parent`
+forks that session from its parent's context.
+
 Ctrl-C stops cleanly: no new requests, in-flight ones recorded as aborted, the file closed with every row so far.
 """
 
@@ -9,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="per-request limit (600 s)")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--arrival-rate",
+        type=float,
+        metavar="R",
+        help="open loop: R new sessions per second (Poisson, seeded) instead of the profile's closed-loop agents",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="replay this JSONL trace (session, parent, t, input_text | input_tokens, output_tokens) instead of "
+        "the profile; times and token counts scaled by workload.time_scale and context_scale",
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -47,6 +67,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not re.match(r"^https?://[^/\s]+", args.url):
         raise UserError(f"--url {args.url!r} is not an http(s) URL; give e.g. http://127.0.0.1:8000")
+    rate = getattr(args, "arrival_rate", None)
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise UserError(f"--arrival-rate must be a positive number of sessions per second, got {rate}")
+    if rate is not None and getattr(args, "trace", None):
+        raise UserError("--arrival-rate and --trace exclude each other: a trace brings its own arrival times")
     if args.run is not None and not _RUN_NAME.match(args.run):
         raise UserError(f"--run {args.run!r}: use letters, digits, '.', '_' and '-' only")
 
@@ -77,8 +102,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
     _check_args(args)
     spec = load_spec(args.spec)
-    if spec.workload.profile == "trace":
-        raise UserError('workload.profile "trace" is not supported by `llmd bench` yet; pick a named profile')
+    trace_path = getattr(args, "trace", None)
+    if trace_path is None and spec.workload.profile == "trace":
+        trace_path = spec.workload.trace_path
+    if spec.workload.profile == "trace" and trace_path is None:
+        raise UserError('workload.profile "trace" needs workload.trace_path (or pass --trace FILE)')
     tok_dir = Path(spec.model.tokenizer or spec.model.path)
     if not (tok_dir / "tokenizer.json").exists():
         raise UserError(f"model.tokenizer {str(tok_dir)!r} has no tokenizer.json; point it at a model folder")
@@ -88,15 +116,28 @@ def run_bench(args: argparse.Namespace) -> int:
     output = out_dir / "metrics.h5"
     if out_dir.exists():
         raise UserError(f"{out_dir} exists; results are never overwritten: pass another --run or --output")
+    wspec = spec.workload
+    if trace_path is not None:
+        # The replay's salt and seed come from a profile; its sessions from the trace.
+        wspec = wspec.model_copy(update={"profile": "trace-stats"})
     try:
-        workload = profile_from_spec(spec.workload, run_name)
+        workload = profile_from_spec(wspec, run_name)
     except ValueError as e:
         raise UserError(f"workload: {e}") from None
+    trace = None
+    if trace_path is not None:
+        trace = load_trace(trace_path, tok_dir, spec.workload.context_scale, spec.workload.time_scale)
     duration = args.duration
-    if duration is None and workload.profile.sessions_per_agent is None:
+    if duration is None and trace is None and workload.profile.sessions_per_agent is None:
         duration = workload.profile.duration_s
     asyncio.run(check_reachable(args.url))
     meta: dict[str, Any] = {"spec": dump_spec(spec), "run": run_name, "seed": spec.workload.seed}
+    if trace_path is not None:
+        meta.update(mode="trace", trace=str(trace_path))
+    elif getattr(args, "arrival_rate", None) is not None:
+        meta.update(mode="open-loop", arrival_rate=args.arrival_rate)
+    else:
+        meta.update(mode="closed-loop")
     cfg = LoadConfig(
         url=args.url,
         model=spec.model.served_name or "model",
@@ -110,11 +151,34 @@ def run_bench(args: argparse.Namespace) -> int:
         meta=meta,
         request_timeout_s=args.request_timeout,
         stream=not args.no_stream,
+        arrival_rate=getattr(args, "arrival_rate", None),
+        trace=trace,
     )
     out_dir.mkdir(parents=True)
     summary = asyncio.run(run_load(cfg))
     print_summary(summary, title=f"llmd bench {run_name} ({workload.profile.name} -> {args.url})")
     return 0
+
+
+def load_trace(path: str | Path, tokenizer_dir: Path, context_scale: float, time_scale: float) -> list[Any]:
+    """The trace's sessions, every line checked before the run starts; a bad line is a UserError naming it."""
+    from llmd.tokens import Tokenizer
+    from llmd.workload.trace import TraceError, read_trace, trace_sessions
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"trace {path} does not exist; give a JSONL file with --trace or workload.trace_path")
+    try:
+        tok = Tokenizer(tokenizer_dir)
+        turns = read_trace(path, tokenizer=tok, context_scale=context_scale, time_scale=time_scale)
+        sessions = trace_sessions(list(turns), str(path))
+    except TraceError as e:
+        raise UserError(f"bad trace: {e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"trace {path} is not UTF-8 text ({e})") from None
+    if not sessions:
+        raise UserError(f"trace {path} has no records")
+    return sessions
 
 
 def print_summary(summary: Any, title: str = "llmd bench") -> None:

@@ -12,6 +12,13 @@ and every second one client time-series row. `run_load` stops starting turns whe
 the plans end, or when `stop` is set (or Ctrl-C arrives): in-flight requests are cancelled and recorded as aborted,
 and the file is closed with every row so far.
 
+Three ways to start sessions: closed loop (default; `profile.agents` agents, each running its sessions one after
+another), open loop (`LoadConfig.arrival_rate` = R: new main sessions arrive as a Poisson process of R sessions per
+second, seeded by the workload's seed, however many are still running; each session's turns still follow each other,
+since a turn's prompt holds the previous response), and trace replay (`LoadConfig.trace`: every session starts at its
+first record's time offset and sends each turn at its offset or when the previous response is back, whichever is
+later; a sub-agent forks from its parent's context as of its start, after the parent's first response).
+
 Client-side delay: how late each turn is sent relative to its planned time (previous response + gap); the summary
 reports its mean and its share of the planned gaps, the figure benchmarks/client.py holds under 5%.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -33,10 +41,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from llmd.metrics.schema import pd_path_of
 from llmd.metrics.writer import MetricsWriter
 from llmd.workload.profiles import Workload
 from llmd.workload.prompts import PromptTurn, PromptWriter
-from llmd.workload.sessions import SessionPlan, Turn
+from llmd.workload.sessions import SessionPlan, Turn, plan_session
+from llmd.workload.trace import TraceSession
 
 ABORTED = "aborted"
 
@@ -59,6 +69,9 @@ class LoadConfig:
     max_connections: int | None = None  # default: sized to the concurrency (agents, plus sub-agent bursts)
     flush_interval_s: float = 1.0
     tokenizer: Any = None  # an already loaded tokenizer (skips loading tokenizer_dir)
+    # Open loop: new main sessions per second, Poisson, seeded by the workload's seed (None: closed-loop agents).
+    arrival_rate: float | None = None
+    trace: list[TraceSession] | None = None  # replay these sessions (llmd.workload.trace) instead of the profile
 
 
 @dataclass
@@ -116,16 +129,7 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-def pd_path(headers: Any) -> str:
-    """The request's P/D path from the router's response headers."""
-    pd = headers.get("x-llmd-pd", "")
-    if pd == "ok":
-        return "pd"
-    if pd == "fallback":
-        return "pd-fallback"
-    if headers.get("x-llmd-p2p-source"):
-        return "p2p"
-    return "decode-only"
+pd_path = pd_path_of  # the request's P/D path from the router's response headers
 
 
 class _Stats:
@@ -200,10 +204,10 @@ class _Run:
         self.stats = _Stats()
         self.t0 = time.perf_counter()
         prof = cfg.workload.profile
-        self.duration = cfg.duration_s if cfg.duration_s is not None else prof.duration_s
-        if prof.sessions_per_agent is None and self.duration is None and cfg.max_requests is None:
-            raise ValueError(f"profile {prof.name!r} runs until a duration ends: give duration_s or max_requests")
-        self.system_tokens = prof.model.system
+        # A trace runs to its end unless told otherwise; a profile for its duration.
+        self.duration = cfg.duration_s if cfg.duration_s is not None or cfg.trace is not None else prof.duration_s
+        # A trace's token counts are whole prompts: its system prompt is the salt line only, not the profile's.
+        self.system_tokens = prof.model.system if cfg.trace is None else 0
         self.endpoint = cfg.url.rstrip("/") + "/v1/chat/completions"
         self.headers = {"Content-Type": "application/json"}
         if cfg.api_key:
@@ -293,6 +297,96 @@ class _Run:
         self.stats.subagent_sessions += 1
         await self.session(plan, parent)
 
+    # -- open loop ----------------------------------------------------------------------------------------------
+
+    async def open_loop(self, rate: float) -> None:
+        """Start main session k (ids "a<k>-s0") at the k-th arrival of a Poisson process of `rate` per second,
+        until the duration or request budget ends; then wait for the sessions still running."""
+        wl = self.cfg.workload
+        rng = np.random.default_rng([wl.seed, 0x0A11])  # the arrival times depend on the seed only
+        t = 0.0
+        k = 0
+        while True:
+            t += float(rng.exponential(1.0 / rate))
+            if self.duration is not None and t >= self.duration:
+                break
+            wait = t - self.now()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not self.may_start():
+                break
+            plan = plan_session(wl.profile.model, wl.seed, k, 0)
+            k += 1
+            self.stats.sessions += 1
+            self.spawn(self.session(plan, None))
+        await self.join_children()
+
+    async def join_children(self) -> None:
+        while self.children:
+            results = await asyncio.gather(*list(self.children), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                    raise r
+
+    # -- trace replay ---------------------------------------------------------------------------------------------
+
+    async def replay(self, sessions: list[TraceSession]) -> None:
+        """Every trace session as its own task (each sleeps until its start); returns when all have ended."""
+        self.trace_latest: dict[str, PromptTurn] = {}
+        self.trace_ready = {s.session_id: asyncio.Event() for s in sessions}
+        for s in sessions:
+            if self.duration is not None and s.start >= self.duration:
+                break  # sorted by start: the rest start later still
+            self.spawn(self.trace_session(s))
+        await self.join_children()
+
+    async def trace_session(self, ts: TraceSession) -> None:
+        sid = ts.session_id
+        ready_ev = self.trace_ready[sid]
+        try:
+            wait = ts.start - self.now()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            parent: PromptTurn | None = None
+            if ts.parent is not None:
+                await self.trace_ready[ts.parent].wait()  # it forks from a context the parent has built
+                parent = self.trace_latest.get(ts.parent)
+            if not self.may_start():
+                return
+            if ts.parent is None:
+                self.stats.sessions += 1
+            else:
+                self.stats.subagent_sessions += 1
+            prompts = self.prompts.session(_trace_plan(ts, parent), self.system_tokens, parent)
+            ready = self.now()
+            for tt in ts.turns:
+                if self.duration is not None and tt.t >= self.duration:
+                    return
+                try:
+                    pt = next(prompts)
+                except Exception as e:
+                    self.prompt_error(tt.turn, f"prompt: {type(e).__name__}: {e}")
+                    return
+                if tt.input_text is not None:  # the trace's own text, as recorded
+                    pt = PromptTurn(pt.turn, [{"role": "user", "content": tt.input_text}], pt.output_text)
+                planned = max(tt.t, ready)  # never before the previous response: its prompt holds it
+                wait = planned - self.now()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not self.may_start():
+                    return
+                late = max(0.0, self.now() - planned)
+                self.stats.delay_sum += late
+                self.stats.gap_sum += max(0.0, planned - ready)
+                self.stats.delay_n += 1
+                if not await self.request(pt):
+                    return
+                self.trace_latest[sid] = pt
+                ready_ev.set()
+                ready = self.now()
+        finally:
+            ready_ev.set()  # children of a failed or finished session start from what there is
+
     # -- one request ---------------------------------------------------------------------------------------------
 
     def prompt_error(self, turn: Turn, error: str) -> None:
@@ -332,11 +426,13 @@ class _Run:
             "turn": turn.turn_index,
             "is_subagent": turn.is_subagent,
         }
+        # The router's own rows carry the same request id and session, so client and router rows join.
+        headers = {**self.headers, "X-Request-Id": row["request_id"], "X-Session-Id": turn.session_id}
         t_send = self.now()
         row["send_time"] = t_send
         ok = False
         try:
-            async with self.http.post(self.endpoint, data=json.dumps(body), headers=self.headers) as resp:
+            async with self.http.post(self.endpoint, data=json.dumps(body), headers=headers) as resp:
                 self._headers(row, resp)
                 row["status"] = resp.status
                 if resp.status >= 400:
@@ -487,6 +583,32 @@ class _Run:
         )
 
 
+def _trace_plan(ts: TraceSession, parent: PromptTurn | None) -> SessionPlan:
+    """A trace session as a plan for the prompt writer; a sub-agent's first turn extends its parent's prompt when it
+    is larger than it (the difference is the task text), else starts a fresh context."""
+    turns = [tt.turn for tt in ts.turns]
+    first = turns[0]
+    if first.is_subagent:
+        base = parent.turn.input_tokens if parent is not None else None
+        if base is not None and first.input_tokens > base:
+            turns[0] = dataclasses.replace(first, new_tokens=first.input_tokens - base)
+        else:
+            turns[0] = dataclasses.replace(first, reset=True, new_tokens=first.input_tokens)
+    return SessionPlan(ts.session_id, 0, 0, turns, parent_session_id=ts.parent)
+
+
+def _check_config(cfg: LoadConfig) -> None:
+    """ValueError for a run that could not start or would never end (before any file is created)."""
+    prof = cfg.workload.profile
+    if cfg.arrival_rate is not None and not (math.isfinite(cfg.arrival_rate) and cfg.arrival_rate > 0):
+        raise ValueError(f"arrival_rate must be a positive number of sessions per second, got {cfg.arrival_rate}")
+    duration = cfg.duration_s if cfg.duration_s is not None or cfg.trace is not None else prof.duration_s
+    unbounded = cfg.arrival_rate is not None or prof.sessions_per_agent is None
+    if cfg.trace is None and unbounded and duration is None and cfg.max_requests is None:
+        what = "open-loop arrivals run" if cfg.arrival_rate is not None else f"profile {prof.name!r} runs"
+        raise ValueError(f"{what} until a duration ends: give duration_s or max_requests")
+
+
 def _error_text(err: Any) -> str:
     if isinstance(err, dict):
         msg = err.get("message") or err.get("error") or err
@@ -539,6 +661,7 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
     Raises FileExistsError when the output exists and ValueError for a workload that would never end; request
     failures never raise, they are rows."""
     stop = stop or asyncio.Event()
+    _check_config(cfg)
     output = Path(cfg.output)
     if output.exists():
         raise FileExistsError(f"{output} exists; metrics are never overwritten, choose another output")
@@ -559,7 +682,8 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
     run: _Run | None = None
     try:
         run = _Run(cfg, writer, prompts, stop)
-        limit = _connections(cfg)
+        # Open loop and replay have no agent count to size the pool by: as many connections as requests in flight.
+        limit = 0 if cfg.trace is not None or cfg.arrival_rate is not None else _connections(cfg)
         connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
         progress = task_id = None
@@ -575,7 +699,12 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
             with _sigint_sets(stop, loop):
                 async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
                     run.http = http
-                    agents = [asyncio.create_task(run.agent(a)) for a in range(cfg.workload.profile.agents)]
+                    if cfg.trace is not None:
+                        agents = [asyncio.create_task(run.replay(cfg.trace))]
+                    elif cfg.arrival_rate is not None:
+                        agents = [asyncio.create_task(run.open_loop(cfg.arrival_rate))]
+                    else:
+                        agents = [asyncio.create_task(run.agent(a)) for a in range(cfg.workload.profile.agents)]
                     ticker = asyncio.create_task(run.ticker(progress, task_id))
                     all_done = asyncio.gather(*agents, return_exceptions=True)
                     stop_wait = asyncio.create_task(stop.wait())

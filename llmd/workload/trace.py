@@ -91,3 +91,51 @@ def read_trace(
                 turn = Turn(sid, index + 1, parent, parent is not None, inp, max(0, new), out, t - p_t, not extends)
             state[sid] = (turn.turn_index, inp, out, t, text)
             yield TraceTurn(turn, t, text)
+
+
+@dataclass(slots=True)
+class TraceSession:
+    """One session of a trace: its turns in order, the absolute start offset of each (seconds from the run's start,
+    scaled) and the session it was forked from (None for a main session)."""
+
+    session_id: str
+    parent: str | None
+    turns: list[TraceTurn]
+
+    @property
+    def start(self) -> float:
+        return self.turns[0].t
+
+
+def trace_sessions(turns: Iterator[TraceTurn] | list[TraceTurn], where: str = "trace") -> list[TraceSession]:
+    """Group a trace's turns by session, sessions ordered by their first turn's time (file order on ties). A parent
+    must be a session of the trace that starts no later than its child (a sub-agent forks from a running context)."""
+    by_id: dict[str, TraceSession] = {}
+    for tt in turns:
+        sid = tt.turn.session_id
+        s = by_id.get(sid)
+        if s is None:
+            by_id[sid] = TraceSession(sid, tt.turn.parent_session_id, [tt])
+        else:
+            if tt.turn.parent_session_id != s.parent:
+                raise TraceError(f"{where}: session {sid!r} names parent {tt.turn.parent_session_id!r}, "
+                                 f"its first line {s.parent!r}")  # fmt: skip
+            s.turns.append(tt)
+    for s in by_id.values():
+        if s.parent is None:
+            continue
+        p = by_id.get(s.parent)
+        if p is None:
+            raise TraceError(f"{where}: session {s.session_id!r} names parent {s.parent!r}, which is not in the trace")
+        if p.start > s.start:
+            raise TraceError(
+                f"{where}: session {s.session_id!r} starts at {s.start:g} s, before its parent {s.parent!r} "
+                f"({p.start:g} s)"
+            )
+        seen = {s.session_id}
+        while p is not None and p.parent is not None:  # a cycle would have every session wait for another
+            if p.session_id in seen:
+                raise TraceError(f"{where}: sessions {sorted(seen)} name each other as parents (a cycle)")
+            seen.add(p.session_id)
+            p = by_id.get(p.parent)
+    return sorted(by_id.values(), key=lambda s: s.start)

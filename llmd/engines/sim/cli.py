@@ -72,6 +72,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument(
+        "--metrics-out",
+        metavar="FILE",
+        help="write per-second engine series (tokens, queue, KV usage, hits, preemptions, transfers) to this HDF5 "
+        "file (llmd.metrics schema; never overwritten)",
+    )
+    p.add_argument(
         "--all",
         action="store_true",
         help="run every replica of every pool of the spec in this process (ports from llmd.spec.layout)",
@@ -196,18 +202,31 @@ def run_sim(args: argparse.Namespace) -> int:
                 "--all takes every port and engine id from the spec's layout; drop --port, --kv-events-endpoint, "
                 "--kv-events-replay-endpoint, --side-channel-port and --engine-id"
             )
-        return asyncio.run(serve_many(build_all_configs(args)))
+        return asyncio.run(serve_many(build_all_configs(args), metrics_out=_metrics_out(args)))
     config = build_config(args)
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, metrics_out=_metrics_out(args)))
 
 
-async def serve(config: Any) -> int:
+def _metrics_out(args: argparse.Namespace) -> Path | None:
+    if getattr(args, "metrics_out", None) is None:
+        return None
+    path = Path(args.metrics_out)
+    if path.exists():
+        raise UserError(f"--metrics-out {path} exists; metrics files are never overwritten, choose another path")
+    if not path.parent.is_dir():
+        raise UserError(f"--metrics-out {path}: folder {path.parent} does not exist")
+    return path
+
+
+async def serve(config: Any, metrics_out: Path | None = None) -> int:
     """Runs the server until SIGTERM/SIGINT (exit 0) or an injected crash (exit 1)."""
-    return await serve_many([config])
+    return await serve_many([config], metrics_out=metrics_out)
 
 
-async def serve_many(configs: list[Any]) -> int:
-    """Runs the servers in this event loop until SIGTERM/SIGINT (exit 0) or an injected crash of any (exit 1)."""
+async def serve_many(configs: list[Any], metrics_out: Path | None = None) -> int:
+    """Runs the servers in this event loop until SIGTERM/SIGINT (exit 0) or an injected crash of any (exit 1);
+    with `metrics_out`, their per-second series go to that HDF5 file while they run."""
+    from .series import EngineSeries
     from .server import SimServer
 
     loop = asyncio.get_running_loop()
@@ -226,6 +245,7 @@ async def serve_many(configs: list[Any]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     started: list[Any] = []
+    series = None
     try:
         for server in servers:
             try:
@@ -234,8 +254,12 @@ async def serve_many(configs: list[Any]) -> int:
                 raise UserError(f"cannot start the simulated engine {server.config.name or ''}: {exc}") from exc
             started.append(server)
             print(f"simulated engine serving {server.served_name} on {server.url}", flush=True)
+        if metrics_out is not None:
+            series = EngineSeries(started, metrics_out)
         await stop.wait()
     finally:
+        if series is not None:
+            await series.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await asyncio.gather(*(s.stop() for s in started), return_exceptions=True)
