@@ -859,3 +859,84 @@ def test_a_prefix_every_endpoint_holds_counts_as_cold_so_new_sessions_spread() -
     ix.store(targets[0].holder, system + blocks(30, 100))
     d = s.schedule(request(system + blocks(30, 100) + blocks(5, 999), rid="s0b"), snap(FOUR), ix, now=10.0)
     assert not d.cold and d.target == targets[0]
+
+
+# --- KV admission, prefill placement, approximate without a tokenizer -----------------------------------------------
+
+
+def test_kv_room_filter_keeps_what_fits() -> None:
+    cap = EndpointState(inflight=2, inflight_kv_tokens=900, kv_capacity_blocks=10)  # 900 of 10 x 64 = 640 tokens
+    roomy = EndpointState(inflight=2, inflight_kv_tokens=100, kv_capacity_blocks=10)
+    assert not filters.kv_fits(cap, 1, BS) and filters.kv_fits(roomy, 540, BS) and not filters.kv_fits(roomy, 541, BS)
+    assert filters.kv_fits(EndpointState(kv_capacity_blocks=1), 10_000, BS)  # idle: even a huge request goes
+    assert filters.kv_fits(EndpointState(inflight=5, inflight_kv_tokens=10**9), 1, BS)  # capacity unknown
+    assert [c.endpoint for c in filters.kv_room(cands((A, cap), (B, roomy)), 200, BS)] == [B]
+    # none fits: all of them (the proxy's admission holds the request until one has room)
+    assert [c.endpoint for c in filters.kv_room(cands((A, cap), (B, cap)), 200, BS)] == [A, B]
+
+
+def test_decode_target_is_never_given_more_kv_than_it_holds() -> None:
+    """The pod holding the session's prefix is passed over while the KV already sent there would overflow it: an
+    engine past its KV preempts (recomputes) running requests."""
+    s = Scheduler(spec(), seed=1)
+    ix = KVIndex()
+    h = blocks(40, 3)
+    ix.store(A.holder, h)
+    r = request(h + blocks(2, 4), session_id="s", max_tokens=256)
+    s.observe_routed(r, s.schedule(r, snap(FOUR), ix), 0.0)  # the session is known now
+    roomy = {e: EndpointState(kv_capacity_blocks=100) for e in FOUR}
+    assert s.schedule(r, snap(roomy), ix).target == A
+    full = dict(roomy)
+    full[A] = EndpointState(inflight=3, inflight_kv_tokens=100 * BS - 100, kv_capacity_blocks=100)
+    d = s.schedule(r, snap(full), ix)
+    assert d.target != A and r.kv_tokens == 42 * BS + 256
+
+
+def _pd_fleet(n_prefill: int) -> dict[Endpoint, EndpointState]:
+    fleet = {ep(f"p{i}", "prefill"): IDLE for i in range(n_prefill)}
+    fleet.update({ep("d0", "decode"): IDLE, ep("d1", "decode"): IDLE})
+    return fleet
+
+
+def test_new_sessions_are_spread_over_the_prefill_pool_not_piled_on_the_system_prompt_holder() -> None:
+    """One prefill pod holds the system prompt every agent shares: new sessions must not all prefill there (one pod
+    would compute every session while the others idle); each session then sticks to its own prefill pod."""
+    s = Scheduler(spec(), seed=2)
+    ix = KVIndex()
+    system = blocks(8, 9)
+    fleet = _pd_fleet(3)
+    ix.store(ep("p0", "prefill").holder, system)
+    firsts = {}
+    for k in range(6):
+        r = request(system + blocks(30, 100 + k), rid=f"s{k}", session_id=f"s{k}")
+        d = s.schedule(r, snap(fleet), ix, now=float(k))
+        assert d.pd is not None and d.pd.cold
+        s.observe_routed(r, d, float(k))
+        firsts[k] = d.pd.prefill
+        ix.store(d.pd.prefill.holder, system + blocks(30, 100 + k))
+    assert Counter(firsts.values()) == {ep(f"p{i}", "prefill"): 2 for i in range(3)}
+    # A later turn of a session prefills where its context is.
+    r = request(system + blocks(30, 102) + blocks(4, 500), rid="s2b", session_id="s2")
+    d = s.schedule(r, snap(fleet), ix, now=10.0)
+    assert d.pd is not None and not d.pd.cold and d.pd.prefill == firsts[2]
+
+
+def test_approximate_places_new_sessions_by_chunks_and_disaggregates_on_estimated_tokens() -> None:
+    """Without a tokenizer (num_tokens estimated from characters by the proxy) the approximate policy gets the same
+    cold placement of new sessions as precise, in its own units (text chunks), and the same P/D decision."""
+    s = Scheduler(spec(policy="approximate"), seed=4)
+    system = "".join(chr(0x61 + (i * 5) % 26) for i in range(256 * 4))
+    fleet = _pd_fleet(2)
+    for e in list(fleet):
+        fleet[e] = EndpointState(kv_capacity_blocks=10_000)
+    targets = []
+    for k in range(4):
+        text = system + "".join(chr(0x61 + (i * (k + 3)) % 26) for i in range(256 * 12))
+        r = RouteRequest(f"r{k}", num_tokens=len(text) // 4, block_size=16, session_id=f"s{k}",
+                         text_chunk_hashes=text_chunk_hashes(text))  # fmt: skip
+        d = s.schedule(r, snap(fleet), now=float(k))
+        # Only the shared system prompt is remembered anywhere: a minority of the prompt, so cold.
+        assert d.cold and d.pd is not None
+        s.observe_routed(r, d, float(k))
+        targets.append(d.target)
+    assert Counter(targets) == {ep("d0", "decode"): 2, ep("d1", "decode"): 2}

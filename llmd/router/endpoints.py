@@ -105,6 +105,7 @@ class RankState:
 
     inflight: int = 0
     inflight_tokens: int = 0
+    inflight_kv_tokens: int = 0  # prompt + requested output tokens of the requests in flight (KV admission)
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import itertools
 import logging
+import math
 import os
 import time
 import uuid
@@ -52,6 +53,7 @@ from llmd.router.scheduling import (
     Snapshot,
     text_chunk_hashes,
 )
+from llmd.router.scheduling.filters import kv_fits
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +181,10 @@ class _Flight:
     target: Pod
     rank: int
     uncached: int
+    kv_tokens: int = 0
     prefill: Pod | None = None
     prefill_rank: int = 0
+    prefill_kv: int = 0
     released: bool = False
 
 
@@ -355,6 +359,7 @@ class Router:
                 kv_usage=st.kv_usage,
                 inflight=st.inflight,
                 inflight_tokens=st.inflight_tokens,
+                inflight_kv_tokens=st.inflight_kv_tokens,
                 kv_capacity_blocks=st.kv_capacity_blocks,
                 cpu_capacity_blocks=st.cpu_capacity_blocks,
             )
@@ -577,6 +582,7 @@ class Router:
             block_size=self.config.block_size,
             session_id=session,
             text_chunk_hashes=prompt.text_hashes,
+            max_tokens=_max_tokens(body),
         )
         self.metrics.prompt_tokens.inc(prompt.num_tokens)
         return _Ctx(kind, request.path, raw, body, session, request_id, headers, rr)
@@ -600,7 +606,15 @@ class Router:
                 raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
         out = _Prompt()
         if self._needs_text:
-            out.text_hashes = text_chunk_hashes(_text_of(source))
+            text = _text_of(source)
+            out.text_hashes = text_chunk_hashes(text)
+            if not self._needs_tokens:
+                # Approximate routing never tokenizes, but P/D (uncached tokens vs the threshold) and placement need
+                # a prompt length: token ids count themselves, text is estimated from its characters, as llm-d does.
+                if isinstance(source, list) and source and isinstance(source[0], int):
+                    out.num_tokens = len(source)
+                else:
+                    out.num_tokens = math.ceil(len(text) / self.scheduler.tuning.chars_per_token)
         if self.encoder is not None and self._needs_tokens:
             try:
                 enc = await self._encode(session, kind, source, body, size)
@@ -651,41 +665,46 @@ class Router:
             # carries no KV-transfer parameters), which beats answering with its error.
             snap = self._snapshot(set())
         room = self.admission.has_room
-        if not any(room(ep.holder) for ep in snap.states if ep.role != "prefill"):
+        req = ctx.route_req
+        need, bs = req.kv_tokens, req.block_size
+        if not any(room(ep.holder) and kv_fits(st, need, bs) for ep, st in snap.states.items() if ep.role != "prefill"):
             if not any(ep.role != "prefill" for ep in snap.states):
                 raise NoEndpointError("no healthy decode endpoint")
-            return None  # every one full: wait without paying for a scoring pass
+            return None  # every one full (slots or KV): wait without paying for a scoring pass
         now = time.monotonic()
-        d = self.scheduler.schedule(ctx.route_req, snap, self.index, now)
+        d = self.scheduler.schedule(req, snap, self.index, now)
         target = self.registry.get(d.target.pod)
         if target is None:
             return None
-        if not room(d.target.holder):
+        if not room(d.target.holder) or not kv_fits(snap.states[d.target], need, bs):
             return None
-        self.scheduler.observe_routed(ctx.route_req, d, now)
-        uncached = max(0, ctx.route_req.num_tokens - d.expected_hit_tokens)
-        flight = _Flight(d, target, d.target.dp_rank, uncached)
-        self._take(target, flight.rank, uncached)
+        self.scheduler.observe_routed(req, d, now)
+        uncached = max(0, req.num_tokens - d.expected_hit_tokens)
+        flight = _Flight(d, target, d.target.dp_rank, uncached, need)
+        self._take(target, flight.rank, uncached, need)
         if d.pd is not None and not ctx.no_kv_transfer:
             pre = self.registry.get(d.pd.prefill.pod)
             if pre is not None:
                 flight.prefill = pre
                 flight.prefill_rank = d.pd.prefill.dp_rank
+                flight.prefill_kv = req.num_tokens
                 # Counted, not gated: a prefill hop is short and its pod's queue is what the decider weighed.
-                self._take(pre, flight.prefill_rank, d.pd.uncached_tokens)
+                self._take(pre, flight.prefill_rank, d.pd.uncached_tokens, req.num_tokens)
         self.metrics.decision(self.config.policy, d.reason, d.expected_hit_tokens)
         return flight
 
-    def _take(self, pod: Pod, rank: int, tokens: int) -> None:
+    def _take(self, pod: Pod, rank: int, tokens: int, kv_tokens: int) -> None:
         st = pod.ranks[rank]
         st.inflight += 1
         st.inflight_tokens += tokens
+        st.inflight_kv_tokens += kv_tokens
         self.admission.take((pod.name, rank))
 
-    def _give(self, pod: Pod, rank: int, tokens: int) -> None:
+    def _give(self, pod: Pod, rank: int, tokens: int, kv_tokens: int) -> None:
         st = pod.ranks[rank]
         st.inflight = max(0, st.inflight - 1)
         st.inflight_tokens = max(0, st.inflight_tokens - tokens)
+        st.inflight_kv_tokens = max(0, st.inflight_kv_tokens - kv_tokens)
         self.admission.release((pod.name, rank))
 
     def _release(self, flight: _Flight) -> None:
@@ -693,14 +712,14 @@ class Router:
             return
         flight.released = True
         self._release_prefill(flight)
-        self._give(flight.target, flight.rank, flight.uncached)
+        self._give(flight.target, flight.rank, flight.uncached, flight.kv_tokens)
 
     def _release_prefill(self, flight: _Flight) -> None:
         pre = flight.prefill
         if pre is not None:
             flight.prefill = None
             assert flight.decision.pd is not None
-            self._give(pre, flight.prefill_rank, flight.decision.pd.uncached_tokens)
+            self._give(pre, flight.prefill_rank, flight.decision.pd.uncached_tokens, flight.prefill_kv)
 
     # -- hops
     def _upstream_headers(self, ctx: _Ctx, pod: Pod, rank: int) -> dict[str, str]:
@@ -880,6 +899,15 @@ class Router:
         h = {k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
         h.update(extra)
         return h
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output the request asks for at most (OpenAI's max_completion_tokens or max_tokens; 0 when not given)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
 
 
 def _text_of(source: Any) -> str:

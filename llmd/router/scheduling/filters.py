@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmd.router.scheduling.state import HOP_ROLES, Candidate, Hop
+from llmd.router.scheduling.state import HOP_ROLES, Candidate, EndpointState, Hop
 
 
 def healthy(cands: Sequence[Candidate]) -> list[Candidate]:
@@ -21,6 +21,24 @@ def has_capacity(cands: Sequence[Candidate], max_inflight: int) -> list[Candidat
     """Endpoints below `max_inflight` router-side requests. If every one is full, all of them: refusing here would
     drop the request, while the proxy's admission control queues it and the scorers still pick the least bad."""
     free = [c for c in cands if c.state.inflight < max_inflight]
+    return free or list(cands)
+
+
+def kv_fits(state: EndpointState, need_tokens: int, block_size: int) -> bool:
+    """Whether `need_tokens` more of KV fit beside what the router already sent there: an engine given more than its
+    KV cache holds preempts running requests (vLLM recomputes them), which costs far more than waiting in the router.
+    Unknown capacity fits; so does any request on an idle endpoint (one bigger than the whole cache must go somewhere,
+    and the engine refuses what exceeds its max_model_len)."""
+    cap = state.kv_capacity_blocks
+    if cap <= 0 or state.inflight <= 0:
+        return True
+    return state.inflight_kv_tokens + need_tokens <= cap * block_size
+
+
+def kv_room(cands: Sequence[Candidate], need_tokens: int, block_size: int) -> list[Candidate]:
+    """Endpoints where the request's KV fits (kv_fits). If none, all of them: the proxy's admission holds the request
+    until one has room, and the scorers still rank them."""
+    free = [c for c in cands if kv_fits(c.state, need_tokens, block_size)]
     return free or list(cands)
 
 

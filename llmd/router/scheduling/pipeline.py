@@ -1,8 +1,8 @@
 """Policies -> pipelines, and the `Scheduler` the proxy and the simulator both call.
 
-A decode hop runs: filters (healthy, role, has-capacity) -> scorers (weighted, from the policy and RouterSpec.weights)
--> picker; then P2P (move off an overloaded prefix holder) and the P/D decider (which runs the same pipeline over the
-prefill pool to choose the prefill endpoint). Policies:
+A decode hop runs: filters (healthy, role, has-capacity, kv-room) -> scorers (weighted, from the policy and
+RouterSpec.weights) -> picker; then P2P (move off an overloaded prefix holder) and the P/D decider (which runs the same
+pipeline over the prefill pool to choose the prefill endpoint). Policies:
 - precise: the precise prefix scorer under the "prefix" weight (KV index + speculative entries), plus the load
   scorers as weighted; an "approximate-prefix" weight, if given, adds that scorer too.
 - approximate: the approximate prefix scorer under the "approximate-prefix" weight, or the "prefix" weight when that
@@ -13,6 +13,7 @@ prefill pool to choose the prefill endpoint). Policies:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -199,26 +200,15 @@ class Scheduler:
         role_ok = filters.routable(snapshot.candidates, "decode")
         if not role_ok:
             raise NoEndpointError("no healthy decode endpoint")
-        cands = filters.has_capacity(role_ok, cfg.max_inflight_per_pod) if self.tuning.capacity_filter else role_ok
+        cands = role_ok
+        if self.tuning.capacity_filter:
+            cands = filters.has_capacity(cands, cfg.max_inflight_per_pod)
+            cands = filters.kv_room(cands, req.kv_tokens, req.block_size)
         ctx = ScoringContext(req, now, index)
         ctx.hits = hits = self._primary.hits(ctx)  # without an index: speculative entries alone
         by = hits.by_holder
         role_hits = [by.get(c.endpoint.holder) for c in role_ok]
-        # Cold: nothing to stick to. Not only when no endpoint holds a prefix, but also when every endpoint holds the
-        # same one (the system prompt all agents share): the prefix scorer cannot tell them apart, and choosing by
-        # load alone piles new sessions onto whichever pods happen to look idle, overflowing their caches later.
-        # The no-hit-LRU scorer spreads such requests instead. Likewise a NEW session whose best hit is a minority of
-        # its prompt (a shared system prompt one pod happens to hold): following that hit would send every new agent
-        # to the same pod. A sub-agent forking its parent's context has a majority hit and still follows it.
-        first = role_hits[0]
-        ctx.cold = (
-            all(h == first for h in role_hits)
-            if first is None
-            else all(h is not None and h.tokens == first.tokens for h in role_hits)
-        )
-        if not ctx.cold and req.session_id is not None and req.session_id not in self._sessions:
-            best = max((h.tokens for h in role_hits if h is not None), default=0)
-            ctx.cold = 2 * best < req.num_tokens
+        ctx.cold = self._cold(req, role_hits, hits.units)
 
         i, totals, parts = self._pick("decode", ctx, cands)
         target = cands[i]
@@ -257,6 +247,26 @@ class Scheduler:
             pd_reason=pd_reason,
             cold=bool(ctx.cold),
         )
+
+    def _cold(self, req: RouteRequest, hop_hits: Sequence[PrefixHit | None], units: int) -> bool:
+        """Nothing to stick to on this hop. Not only when no endpoint holds a prefix, but also when every endpoint
+        holds the same one (the system prompt all agents share): the prefix scorer cannot tell them apart, and
+        choosing by load alone piles new sessions onto whichever pods happen to look idle, overflowing their caches
+        later. The no-hit-LRU scorer spreads such requests instead. Likewise a NEW session whose best hit is a
+        minority of its prompt (a shared system prompt one pod happens to hold): following that hit would send every
+        new agent to the same pod. A sub-agent forking its parent's context has a majority hit and still follows it.
+        Compared in the prefix source's own units (blocks, or text chunks for the approximate scorer, which counts
+        no tokens)."""
+        first = hop_hits[0]
+        if first is None:
+            if all(h is None for h in hop_hits):
+                return True
+        elif all(h is not None and h.tokens == first.tokens for h in hop_hits):
+            return True
+        if req.session_id is not None and req.session_id not in self._sessions:
+            best = max((h.gpu + h.cpu for h in hop_hits if h is not None), default=0)
+            return 2 * best < units
+        return False
 
     def _pick(
         self, hop: Hop, ctx: ScoringContext, cands: Sequence[Candidate]
@@ -341,11 +351,16 @@ class Scheduler:
             return None, ""
         if max(0, req.num_tokens - expected) < cfg.pd_threshold:
             return None, "below-threshold"  # decided before choosing a prefill endpoint: that costs a scoring pass
-        pre = filters.has_capacity(pre_ok, cfg.max_inflight_per_pod) if self.tuning.capacity_filter else pre_ok
+        pre = pre_ok
+        if self.tuning.capacity_filter:
+            pre = filters.has_capacity(pre, cfg.max_inflight_per_pod)
+            pre = filters.kv_room(pre, req.num_tokens, req.block_size)  # it holds the prompt until the pull
         by = ctx.hits.by_holder if ctx.hits is not None else {}
-        pctx = ScoringContext(
-            req, ctx.now, ctx.index, ctx.hits, not any(c.endpoint.holder in by for c in pre_ok), ctx.memo
-        )
+        units = ctx.hits.units if ctx.hits is not None else 0
+        # The prefill pool is placed by the same rule as the decode pool: a new session is spread (no-hit LRU and
+        # load), not sent to whichever prefill pod holds the shared system prompt; a known session follows its prefix.
+        cold = self._cold(req, [by.get(c.endpoint.holder) for c in pre_ok], units)
+        pctx = ScoringContext(req, ctx.now, ctx.index, ctx.hits, cold, ctx.memo)
         j, _, _ = self._pick("prefill", pctx, pre)
         chosen = pre[j]
         ph = by.get(chosen.endpoint.holder)
@@ -357,6 +372,7 @@ class Scheduler:
         else:
             out = decide_threshold(inp, cfg.pd_threshold)
         if out[0] is not None:
+            out = (dataclasses.replace(out[0], cold=cold), out[1])
             self._capacity[chosen.endpoint.holder] = (
                 chosen.state.kv_capacity_blocks,
                 chosen.state.cpu_capacity_blocks,
@@ -382,9 +398,10 @@ class Scheduler:
             self._sessions.move_to_end(req.session_id)
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
-        if decision.cold and self._feed_no_hit:
-            self.no_hit_lru.record_cold(decision.target.holder)
-            if decision.pd is not None:
+        if self._feed_no_hit:
+            if decision.cold:
+                self.no_hit_lru.record_cold(decision.target.holder)
+            if decision.pd is not None and decision.pd.cold:
                 self.no_hit_lru.record_cold(decision.pd.prefill.holder)
 
     def forget_pod(self, pod: str) -> None:

@@ -59,6 +59,7 @@ class EndpointState:
     router-side ones (inflight, inflight_tokens) from the proxy's own bookkeeping, so they are never stale.
 
     inflight_tokens: uncached prompt tokens of the requests in flight (prefill work sent there).
+    inflight_kv_tokens: KV the requests in flight there may need at most (prompt + requested output tokens).
     kv_capacity_blocks / cpu_capacity_blocks: KV blocks in GPU / in the CPU tier (0: unknown / no CPU tier).
     """
 
@@ -68,6 +69,7 @@ class EndpointState:
     kv_usage: float = 0.0
     inflight: int = 0
     inflight_tokens: int = 0
+    inflight_kv_tokens: int = 0
     kv_capacity_blocks: int = 0
     cpu_capacity_blocks: int = 0
     last_updated: float = 0.0
@@ -90,6 +92,12 @@ class RouteRequest:
     text_chunk_hashes: Sequence[int] = ()
     is_subagent: bool = False
     parent_session_id: str | None = None
+    max_tokens: int = 0  # output tokens the request asks for at most (0: not given)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV the request needs at most on the endpoint that decodes it: its prompt and its whole output."""
+        return self.num_tokens + self.max_tokens
 
 
 class Candidate(NamedTuple):
@@ -149,6 +157,7 @@ class PDDecision:
     uncached_tokens: int
     est_disagg_s: float | None = None
     est_local_s: float | None = None
+    cold: bool = False  # the prefill pod was placed as for a new session (no-hit LRU), not by its prefix
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,66 @@
+"""KV admission against a real simulated engine: the router never sends a pod more prompt + output tokens than its KV
+cache holds (it reads the capacity from vllm:cache_config_info), so the engine never preempts; the same burst sent to
+the engine directly does preempt."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from netutil import run
+from test_router_proxy import Servers, engine, pod_of, rconfig
+
+from llmd.router.proxy import Router
+
+BLOCKS = 260  # x 16 tokens: 4,160 tokens of KV (max_model_len 4,096 must fit)
+PROMPT_WORDS = 600
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from llmd.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
+
+
+async def _burst(http: aiohttp.ClientSession, url: str, n: int) -> list[dict[str, str]]:
+    async def one(i: int) -> dict[str, str]:
+        body = {"model": "tiny", "prompt": f"agent {i} " + "word " * PROMPT_WORDS, "max_tokens": 400,
+                "ignore_eos": True}  # fmt: skip
+        async with http.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+            return dict(r.headers)
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_router_holds_requests_the_decode_kv_cannot_take_so_the_engine_never_preempts(model_dir: Path) -> None:
+    async def body() -> tuple[int, int, list[float]]:
+        async with Servers() as ss:
+            direct = await ss.start(engine(model_dir, "direct", num_gpu_blocks=BLOCKS, time_scale=1.0))
+            routed = await ss.start(engine(model_dir, "routed", num_gpu_blocks=BLOCKS, time_scale=1.0))
+            async with aiohttp.ClientSession() as http:
+                await _burst(http, direct.url, 8)  # ~1,000 tokens each at the end: eight overflow 4,160
+                async with Router(rconfig(model_dir), [pod_of(routed)]) as router:
+                    t0 = time.monotonic()
+                    while (
+                        not router.registry.healthy() or router.registry.pods["routed"].ranks[0].kv_capacity_blocks == 0
+                    ):
+                        assert time.monotonic() - t0 < 10, "the router never learned the pod's KV capacity"
+                        await asyncio.sleep(0.05)
+                    headers = await _burst(http, router.url, 8)
+            queued = [float(h["x-llmd-queue-ms"]) for h in headers]
+            return (
+                direct.ranks[0].core.stats().num_preemptions,
+                routed.ranks[0].core.stats().num_preemptions,
+                queued,
+            )
+
+    direct_preemptions, routed_preemptions, queued = run(body, 60.0)
+    assert direct_preemptions > 0  # the burst overflows the cache: the test would catch a router that let it through
+    assert routed_preemptions == 0
+    assert sum(q > 1.0 for q in queued) >= 2  # some waited in the router for KV to free up
