@@ -8,10 +8,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from submitit.slurm.slurm import SlurmExecutor, SlurmJobEnvironment
+from submitit.slurm.slurm import SlurmExecutor
 
 from launchers.plan import JobPlan
-from launchers.script import render_script
+from launchers.script import render_submitit
 
 
 class HetSlurmExecutor(SlurmExecutor):
@@ -32,19 +32,7 @@ class HetSlurmExecutor(SlurmExecutor):
         return 1  # submitit's callable runs once, in component 0
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return self.script_text(command)
-
-    def script_text(self, command: str | None = None) -> str:
-        cmd = shlex.split(command or self._submitit_command_str)
-        # submitit's _submit logs to the folder's %j_0_log.out; the step's output goes to logs/main.log.
-        return render_script(
-            self.plan,
-            cmd,
-            origin="Written by `llmd launch` (submitit); `llmd status RUN` follows it.",
-            main_env=["export SUBMITIT_EXECUTOR=slurm"],
-            # submitit checkpoints and requeues on this signal (preemption, time limit).
-            extra_global=[f"#SBATCH --signal={SlurmJobEnvironment.USR_SIG}@90"],
-        )
+        return render_submitit(self.plan, shlex.split(command))
 
     def submit_main(self, fn: Any) -> str:
         """Submit the callable; return the Slurm job id."""

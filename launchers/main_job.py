@@ -20,7 +20,7 @@ from typing import Any
 
 from launchers.discovery import DISCOVERY_FILE, read_entries
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
-from llmd.launch.runstate import read_state, update_state
+from llmd.launch.runstate import is_final, read_state, update_state
 from llmd.spec import load_spec
 from llmd.spec.layout import engine_endpoints
 
@@ -30,6 +30,11 @@ PROGRESS_EVERY_S = 3.0
 
 class RunFailed(RuntimeError):
     """The run cannot go on; the message is the cause recorded in run.json."""
+
+
+class Interrupted(Exception):
+    """Slurm is ending this attempt (requeue, preemption, time limit, cancel): keep the rows, leave the verdict to
+    Slurm's state."""
 
 
 def _engine_exit(run_dir: Path) -> str | None:
@@ -79,10 +84,12 @@ def merge_parts(run_dir: Path) -> Path | None:
     return out
 
 
-def _wait_for_engines(run_dir: Path, names: set[str], timeout_s: float) -> None:
+def _wait_for_engines(run_dir: Path, names: set[str], timeout_s: float, stop: dict[str, int]) -> None:
     deadline = time.monotonic() + timeout_s
     discovery = run_dir / DISCOVERY_FILE
     while time.monotonic() < deadline:
+        if stop["sig"]:
+            raise Interrupted()
         cause = _engine_exit(run_dir)
         if cause:
             raise RunFailed(f"before all engines were ready: {cause}")
@@ -125,9 +132,15 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
     )  # fmt: skip
     router: subprocess.Popen | None = None
     bench: subprocess.Popen | None = None
+    stop = {"sig": 0}
+
+    def on_term(signum: int, _frame: object) -> None:
+        stop["sig"] = signum
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         names = {ep.name for ep in engine_endpoints(spec)}
-        _wait_for_engines(run_dir, names, spec.engine.startup_timeout_s + 30)
+        _wait_for_engines(run_dir, names, spec.engine.startup_timeout_s + 30, stop)
         update_state(run_dir, phase="starting router")
         port = spec.router.port
         router = _start_router(spec_path, run_dir, port)
@@ -147,6 +160,9 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
             t0, last = time.monotonic(), 0.0
             earlier = sum(_rows(p) for p in _parts(run_dir) if p.parent != part)
             while bench.poll() is None:
+                if stop["sig"]:
+                    bench.send_signal(signal.SIGINT)
+                    raise Interrupted()
                 cause = _engine_exit(run_dir)
                 if cause is None and router.poll() is not None:
                     cause = f"router exited with code {router.returncode}; see {run_dir / 'logs' / 'router.log'}"
@@ -163,6 +179,8 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
                     )
                 time.sleep(POLL_S)
             update_state(run_dir, attempt_elapsed_s={str(attempt): round(time.monotonic() - t0, 1)})
+            if stop["sig"]:
+                raise Interrupted()
             if bench.returncode != 0:
                 raise RunFailed(f"benchmark client exited with code {bench.returncode}:\n{log_tail(bench_log, 15)}")
         result = merge_parts(run_dir)
@@ -173,6 +191,23 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
         )  # fmt: skip
         print(f"llmd main job: done, {total} requests in {result}", flush=True)
         return 0
+    except Interrupted:
+        # Slurm gives KillWait seconds before SIGKILL: enough for the client to close its file and for the merge.
+        if bench is not None:
+            try:
+                bench.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                stop_process_group(bench, grace_s=1)
+        try:
+            merge_parts(run_dir)
+        except Exception as merge_exc:
+            print(f"llmd main job: merging parts failed: {merge_exc}", file=sys.stderr)
+        if not is_final(read_state(run_dir).get("state", "")):  # `llmd cancel` may have said why already
+            update_state(
+                run_dir, state="INTERRUPTED", phase="stopped by Slurm (requeue, preemption, time limit or cancel)"
+            )
+        print("llmd main job: stopped by SIGTERM; rows so far kept", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     except RunFailed as exc:
         if bench is not None:
             try:
@@ -191,9 +226,10 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
         print(f"llmd main job: FAILED: {exc}", file=sys.stderr, flush=True)
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in (bench, router):
             if proc is not None:
-                stop_process_group(proc, grace_s=5)
+                stop_process_group(proc, grace_s=2)
 
 
 class MainJob:

@@ -44,6 +44,28 @@ def render_script(
     )
 
 
+# submitit's checkpoint signal (submitit.slurm.slurm.SlurmJobEnvironment.USR_SIG), named here so a dry run needs no
+# submitit; a test checks the two agree.
+SUBMITIT_SIGNAL = "USR2"
+
+
+def submitit_command(plan: JobPlan) -> list[str]:
+    """What submitit runs in component 0: its own loader of the pickled callable, from the run's submitit folder."""
+    return [plan.python, "-u", "-m", "submitit.core._submit", str(plan.run_dir / "submitit")]
+
+
+def render_submitit(plan: JobPlan, command: list[str] | None = None) -> str:
+    """The script `llmd launch` submits through submitit (and prints with --dry-run)."""
+    return render_script(
+        plan,
+        command or submitit_command(plan),
+        origin="Written by `llmd launch` (submitit); `llmd status RUN` follows it.",
+        main_env=["export SUBMITIT_EXECUTOR=slurm"],
+        # submitit checkpoints and requeues on this signal (preemption, time limit).
+        extra_global=[f"#SBATCH --signal={SUBMITIT_SIGNAL}@90"],
+    )
+
+
 def render_plain(plan: JobPlan) -> str:
     """The script without submitit: component 0 runs `python -m launchers.main_job` itself."""
     return render_script(

@@ -95,10 +95,8 @@ def _have(cmd: str) -> bool:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from launchers.cluster import job_state, require
-    from launchers.executor import HetSlurmExecutor
-    from launchers.main_job import MainJob
     from launchers.plan import plan_job
-    from launchers.script import render_plain
+    from launchers.script import render_plain, render_submitit
     from llmd.launch.follow import describe, follow, remember
     from llmd.launch.prepare import absolute_spec, check_launchable, create_run_dir, new_run_dir
     from llmd.launch.runstate import update_state
@@ -113,9 +111,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     run_dir = new_run_dir(spec).resolve()
     gpus = _gpus(args.gpus, spec.slurm.partition, args.dry_run or args.render_sbatch)
     plan = plan_job(spec, run_dir, Path.cwd(), gpus=gpus, starter=_starter(args.starter))
-    executor = HetSlurmExecutor(plan)
     if args.dry_run:
-        print(executor.script_text(), end="")
+        print(render_submitit(plan), end="")
         return 0
     create_run_dir(run_dir, spec)
     base = {"run_dir": str(run_dir), "name": spec.name, "spec": str(plan.spec_path), "created_at": time.time()}
@@ -126,9 +123,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     update_state(run_dir, **base, state="SUBMITTED", phase="submitting")
-    (run_dir / "job.sbatch").write_text(executor.script_text())
+    (run_dir / "job.sbatch").write_text(render_submitit(plan))
     try:
-        job_id = executor.submit_main(MainJob(plan.spec_path, run_dir))
+        from launchers.executor import HetSlurmExecutor
+        from launchers.main_job import MainJob
+
+        job_id = HetSlurmExecutor(plan).submit_main(MainJob(plan.spec_path, run_dir))
     except Exception as exc:  # sbatch's own words are the useful part
         update_state(run_dir, state="FAILED", cause=f"sbatch refused the job: {exc}")
         raise UserError(f"sbatch refused the job: {str(exc).strip()}\n(script: {run_dir / 'job.sbatch'})") from None

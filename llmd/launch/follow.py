@@ -65,9 +65,10 @@ def current(run_dir: Path, slurm: Callable[[str], Any] | None = None) -> dict[st
         return state  # no Slurm here: run.json is all we know
     state["slurm"] = {"state": js.state, "reason": js.reason, "components": [list(c) for c in js.components]}
     mine = state.get("state", "")
-    if js.state in ("PENDING", "REQUEUED") and mine in ("SUBMITTED", "PENDING", ""):
+    if js.state in ("PENDING", "REQUEUED") and mine in ("SUBMITTED", "PENDING", "INTERRUPTED", "REQUEUED", ""):
         state["state"] = "PENDING"
-        state["phase"] = f"pending ({js.reason})" if js.reason else "pending"
+        again = " again (requeued)" if mine in ("INTERRUPTED", "REQUEUED") else ""
+        state["phase"] = f"pending{again}" + (f": {js.reason}" if js.reason else "")
     elif is_final(js.state) and not is_final(mine):
         cause = f"Slurm ended the job: {js.state}" + (f" ({js.reason})" if js.reason else "")
         state = {**update_state(run_dir, state=js.state, cause=cause), "slurm": state["slurm"]}

@@ -1,0 +1,155 @@
+"""Real jobs on the local Slurm cluster (slurm/local-cluster.sh: slurmctld, 4 slurmd, slurmdbd): a spec as one het
+job with simulated engines, end to end into HDF5; a dying engine tearing the whole job down with its cause; cancel;
+a sweep as a job array; the plain sbatch template; requeue keeping the rows of the first attempt."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import job_active, llmd, run_dirs, run_state, wait_for, write_spec
+
+from llmd.metrics import read_requests
+
+pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.usefixtures("slurm_cluster")]
+
+# A workload that keeps going until its duration is up (smoke alone ends after a few sessions).
+LONG = {"profile": "smoke", "concurrency": 4, "params": {"sessions_per_agent": 1000}}
+
+
+def _sacct(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State"], capture_output=True, text=True, timeout=30
+    )
+    return dict(ln.split("|", 1) for ln in out.stdout.splitlines() if "|" in ln)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+STARTERS = ["basic"] + (["fabric"] if importlib.util.find_spec("llmd.fabric") else [])
+
+
+@pytest.mark.parametrize("starter", STARTERS)
+def test_het_job_runs_end_to_end_into_hdf5(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str], starter: str) -> None:
+    spec = write_spec(tmp_path, tiny_tokenizer, "e2e")
+    res = llmd("launch", str(spec), "--starter", starter, "--gpus", "no", cwd=tmp_path)
+    (run,) = run_dirs(tmp_path, "e2e")
+    state = run_state(run)
+    jobs.append(state["job_id"])
+    assert res.returncode == 0, res.stdout + res.stderr + (run / "logs" / "main.log").read_text()
+    assert "submitted job" in res.stdout and "COMPLETED" in res.stdout
+    assert state["state"] == "COMPLETED" and state["cause"] is None
+    # three components on three different nodes, read from `scontrol show hostnames`
+    nodes = state["nodes"]
+    assert set(nodes) == {"main", "prefill", "decode"}
+    assert len({n for ns in nodes.values() for n in ns}) == 3
+    df = read_requests(run / "metrics.h5")
+    assert len(df) == state["progress"]["requests"] > 0
+    assert (df["status"] == 200).mean() > 0.9
+    entries = {e["name"] for e in json.loads((run / "discovery.json").read_text())}
+    assert entries == {"prefill-0", "decode-0"}
+    if starter == "fabric":
+        assert (run / "fabric-decode.h5").exists()
+    assert set(_sacct(state["job_id"]).values()) == {"COMPLETED"}
+    status = llmd("status", state["job_id"], cwd=tmp_path)
+    assert status.returncode == 0 and "COMPLETED" in status.stdout and str(run / "metrics.h5") in status.stdout
+
+
+def test_killed_engine_tears_the_job_down_and_says_why(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
+    spec = write_spec(tmp_path, tiny_tokenizer, "kill", workload={**LONG, "duration_s": 120}, engine={"time_scale": 1})
+    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--no-follow", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run,) = run_dirs(tmp_path, "kill")
+    job_id = run_state(run)["job_id"]
+    jobs.append(job_id)
+    wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
+    pids = {p.stem: int(p.read_text()) for p in (run / "engines").glob("*.pid")}
+    os.kill(pids["decode-0"], signal.SIGKILL)
+    wait_for(lambda: not job_active(job_id), 60, "the whole job to end")
+    status = llmd("status", str(run), cwd=tmp_path)
+    assert "state:    FAILED" in status.stdout, status.stdout
+    assert "decode component exited" in status.stdout and "decode-0: engine exited with code -9" in status.stdout
+    assert set(_sacct(job_id).values()) == {"FAILED"}
+    assert not _alive(pids["prefill-0"]), "the prefill engine outlived the job"
+    # the rows recorded before the failure are kept
+    state = run_state(run)
+    assert state["state"] == "FAILED" and len(read_requests(run / "metrics.h5")) == state["progress"]["requests"] > 0
+
+
+def test_cancel_ends_the_job(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
+    spec = write_spec(tmp_path, tiny_tokenizer, "cancel", workload={**LONG, "duration_s": 120})
+    assert llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--no-follow", cwd=tmp_path).returncode == 0
+    (run,) = run_dirs(tmp_path, "cancel")
+    job_id = run_state(run)["job_id"]
+    jobs.append(job_id)
+    wait_for(lambda: run_state(run).get("phase") == "benchmark", 90, "the benchmark to start")
+    res = llmd("cancel", job_id, cwd=tmp_path)
+    assert res.returncode == 0 and f"cancelled job {job_id}" in res.stdout
+    wait_for(lambda: not job_active(job_id), 60, "the job to end")
+    status = llmd("status", str(run), cwd=tmp_path)
+    assert "state:    CANCELLED" in status.stdout and "llmd cancel" in status.stdout, status.stdout
+    again = llmd("cancel", str(run), cwd=tmp_path)
+    assert again.returncode == 0 and "already ended" in again.stdout
+
+
+def test_sweep_runs_every_array_task(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    base = write_spec(tmp_path, tiny_tokenizer, "base", workload={"duration_s": 3})
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"name: grid\nbase: {base.name}\ngrid:\n  router.policy: [precise, round-robin]\n")
+    res = llmd("sweep", str(sweep), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    array_id = (tmp_path / "results" / "grid" / "array_job_id").read_text().strip()
+    states = _sacct(array_id)
+    assert sorted(states) == [f"{array_id}_0", f"{array_id}_1"] and set(states.values()) == {"COMPLETED"}
+    for i in (0, 1):
+        assert len(read_requests(tmp_path / "results" / "grid" / str(i) / "metrics.h5")) > 0
+
+
+def test_plain_sbatch_template_submits_and_runs(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    spec = write_spec(tmp_path, tiny_tokenizer, "plain")
+    res = llmd("launch", str(spec), "--render-sbatch", "--gpus", "no", "--starter", "basic", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(res.stdout)
+    sub = subprocess.run(["sbatch", str(script)], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.split()[-1]
+    try:
+        (run,) = run_dirs(tmp_path, "plain")
+        wait_for(lambda: not job_active(job_id), 180, "the hand-submitted job to end")
+        state = run_state(run)
+        assert state["state"] == "COMPLETED" and state["job_id"] == job_id, state
+        assert len(read_requests(run / "metrics.h5")) == state["progress"]["requests"] > 0
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+
+def test_requeue_resumes_and_keeps_earlier_rows(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
+    spec = write_spec(tmp_path, tiny_tokenizer, "rq", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
+    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--requeue", "--no-follow", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run,) = run_dirs(tmp_path, "rq")
+    job_id = run_state(run)["job_id"]
+    jobs.append(job_id)
+    wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+    # Slurm 22.05 holds a requeued het job for cred_expire and then ~2 minutes more before it starts it again
+    wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
+    wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
+    state = run_state(run)
+    assert state["state"] == "COMPLETED", state
+    first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
+    second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
+    assert len(first) > 0 and len(second) > 0
+    assert len(read_requests(run / "metrics.h5")) == len(first) + len(second)
