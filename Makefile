@@ -39,19 +39,21 @@ $(STAMP)-test: pyproject.toml $(VENV)/bin/python
 test-fast: $(STAMP)-test
 	$(PY) -m pytest -q -m "not vllm and not slurm and not integration"
 
+# The Slurm tests skip when no cluster answers, except here: once services-up has started the cluster,
+# LLMD_REQUIRE_SLURM=1 makes them fail instead, so a broken cluster can never pass as "skipped".
 test: $(STAMP)-full
-	$(MAKE) --no-print-directory services-up
-	$(PY) -m pytest -q; rc=$$?; $(MAKE) --no-print-directory services-down; exit $$rc
+	@$(MAKE) --no-print-directory services-up || { echo "make test: the local Slurm cluster did not start (see above)" >&2; exit 1; }
+	LLMD_REQUIRE_SLURM=1 $(PY) -m pytest -q; rc=$$?; $(MAKE) --no-print-directory services-down; exit $$rc
 
-# Services the tests need (the local Slurm cluster) are started by slurm/ scripts once they exist.
+# The local Slurm cluster the tests need (slurm/local-cluster.sh: slurmctld, 4 slurmd, slurmdbd; root, Debian).
 services-up:
-	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh start; fi
+	slurm/local-cluster.sh start
 services-down:
-	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh stop; fi
+	-slurm/local-cluster.sh stop
 
 lint: $(STAMP)-test
-	$(VENV)/bin/ruff check llmd tests benchmarks scripts
-	$(VENV)/bin/ruff format --check llmd tests benchmarks scripts
+	$(VENV)/bin/ruff check llmd launchers sweeps tests benchmarks scripts
+	$(VENV)/bin/ruff format --check llmd launchers sweeps tests benchmarks scripts
 
 # Every benchmark, one run each, printing `name: value  # target ... (ratio R)` lines.
 bench: $(STAMP)-light

@@ -89,7 +89,7 @@ TaskPlugin=task/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-SchedulerParameters=bf_interval=1,bf_hetjob_immediate,sched_interval=2
+SchedulerParameters=bf_interval=1,bf_resolution=1,bf_continue,bf_hetjob_immediate,sched_interval=2
 SlurmdParameters=config_overrides
 ReturnToService=2
 MailProg=/bin/true

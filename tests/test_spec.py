@@ -253,6 +253,16 @@ def test_vllm_without_model_path(tmp_path: Path) -> None:
     assert 'engine.kind "vllm" loads real weights' in issues["model.path"]
 
 
+def test_vllm_on_cpu_needs_blocks_of_32(tmp_path: Path) -> None:
+    issues = issues_of(tmp_path, "engine: {kind: vllm, gpu: cpu}\nmodel: {block_size: 16}\n")
+    assert issues["model.block_size"].startswith("16 does not run on vLLM's CPU build")
+    assert "use 32" in issues["model.block_size"]
+    # The simulated engine on the CPU profile, and vLLM on GPUs, take any valid block size; 64 is fine on CPU.
+    for engine, block in (("{kind: sim, gpu: cpu}", 16), ("{kind: vllm}", 16), ("{kind: vllm, gpu: cpu}", 64)):
+        spec = load_spec(write(tmp_path, f"engine: {engine}\nmodel: {{block_size: {block}}}\n"))
+        assert spec.model.block_size == block
+
+
 def test_bad_block_size(tmp_path: Path) -> None:
     issues = issues_of(tmp_path, "model: {block_size: 12}\n")
     assert issues["model.block_size"].startswith("12 is not a valid block size; use 1 or a multiple of 8")

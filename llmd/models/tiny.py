@@ -1,5 +1,7 @@
-"""Make a tiny random-weight Llama model folder offline: config, safetensors weights, a locally trained tokenizer.
+"""Make a tiny random-weight model folder offline: config, safetensors weights, a locally trained tokenizer.
 
+Dense: a Llama. MoE (`moe=True`): a Qwen3-MoE (`Qwen3MoeForCausalLM`, 8 experts, top-2), the layout of Qwen3-30B-A3B
+checkpoints (per-expert gate/up/down projections, q/k norms), which vLLM 0.32's CPU build serves on one instance.
 The same folder serves the simulated engine (which only needs the tokenizer) and vLLM's CPU build (which loads the
 weights too). Its output text is noise, but the engine, scheduler, prefix cache and KV events are real. Only numpy,
 safetensors and tokenizers are needed, so it works in the light install.
@@ -67,6 +69,10 @@ def make_tiny(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     weights: bool = True,
+    moe: bool = False,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> Path:
     """Write the model folder and return its path. Deterministic under `seed`."""
     out = Path(out_dir)
@@ -124,6 +130,19 @@ def make_tiny(
         "attention_bias": False,
         "mlp_bias": False,
     }
+    if moe:
+        config.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rms_norm_eps=1e-6,
+        )
+        del config["mlp_bias"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": ids["<s>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<pad>"]})
@@ -149,6 +168,7 @@ def _write_weights(out: Path, cfg: dict, seed: int) -> None:
         "model.norm.weight": np.ones(h, np.float16),
         "lm_head.weight": w(v, h),
     }
+    moe = cfg["model_type"] == "qwen3_moe"
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {
@@ -156,10 +176,27 @@ def _write_weights(out: Path, cfg: dict, seed: int) -> None:
             p + "self_attn.k_proj.weight": w(kv_out, h),
             p + "self_attn.v_proj.weight": w(kv_out, h),
             p + "self_attn.o_proj.weight": w(h, q_out),
-            p + "mlp.gate_proj.weight": w(inter, h),
-            p + "mlp.up_proj.weight": w(inter, h),
-            p + "mlp.down_proj.weight": w(h, inter),
             p + "input_layernorm.weight": np.ones(h, np.float16),
             p + "post_attention_layernorm.weight": np.ones(h, np.float16),
         }
+        if not moe:
+            tensors |= {
+                p + "mlp.gate_proj.weight": w(inter, h),
+                p + "mlp.up_proj.weight": w(inter, h),
+                p + "mlp.down_proj.weight": w(h, inter),
+            }
+            continue
+        # Qwen3 normalizes q and k per head; the router (`mlp.gate`) scores every expert.
+        tensors |= {
+            p + "self_attn.q_norm.weight": np.ones(hd, np.float16),
+            p + "self_attn.k_norm.weight": np.ones(hd, np.float16),
+            p + "mlp.gate.weight": w(cfg["num_experts"], h),
+        }
+        e_inter = cfg["moe_intermediate_size"]
+        for e in range(cfg["num_experts"]):
+            tensors |= {
+                p + f"mlp.experts.{e}.gate_proj.weight": w(e_inter, h),
+                p + f"mlp.experts.{e}.up_proj.weight": w(e_inter, h),
+                p + f"mlp.experts.{e}.down_proj.weight": w(h, e_inter),
+            }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

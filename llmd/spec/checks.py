@@ -199,6 +199,21 @@ def check_vllm_model(spec: DeploymentSpec) -> list[SpecIssue]:
     return []
 
 
+@check("engine", "model")
+def check_vllm_cpu_block_size(spec: DeploymentSpec) -> list[SpecIssue]:
+    # vLLM's CPU attention kernels refuse other block sizes; engine.gpu "cpu" is how a spec says it runs on CPUs.
+    block = spec.model.block_size
+    if spec.engine.kind != "vllm" or spec.engine.gpu != "cpu" or block % 32 == 0:
+        return []
+    return [
+        SpecIssue(
+            "model.block_size",
+            f'{block} does not run on vLLM\'s CPU build (engine.gpu "cpu"): its attention needs a multiple of 32; '
+            f"use {_multiples(block, 32)}",
+        )
+    ]
+
+
 @check("workload")
 def check_trace_path(spec: DeploymentSpec) -> list[SpecIssue]:
     workload = spec.workload

@@ -144,7 +144,7 @@ def test_requeue_resumes_and_keeps_earlier_rows(tmp_path: Path, tiny_tokenizer: 
     jobs.append(job_id)
     wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-    # Slurm 22.05 holds a requeued het job for cred_expire and then ~2 minutes more before it starts it again
+    # Slurm holds a requeued het job for cred_expire (10 s here) and backfill starts it some 30 s later
     wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
     wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
     state = run_state(run)

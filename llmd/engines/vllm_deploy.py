@@ -1,0 +1,390 @@
+"""A spec's engines as real vLLM servers on this machine: one child process per launch, CPU settings, PodInfo out.
+
+`VllmDeployment(spec, workdir)` takes the very launches a cluster would run (`llmd.engines.vllm.vllm_launches`),
+resolves their address placeholders to 127.0.0.1 and adapts them to vLLM's CPU build (platform notes):
+`--enforce-eager` (start-up ~40 s instead of ~115 s of torch.compile), a small `--gpu-memory-utilization` (host memory
+on CPU; the default 0.9 fails), HF_HUB_OFFLINE=1 and a block size that is a multiple of 32 (CPU attention). Every
+server starts at once (start-up is mostly imports, which overlap), is waited for on /health with the log's tail on
+failure, and then gets one ordinary warm-up request: a CPU decode server whose first request arrives through a NIXL
+KV transfer crashes (`Illegal instruction` in cpu_attention_with_kv_cache), after one plain request it never does.
+`stop()` ends every process group, whatever state start-up reached.
+
+Ports: the spec's layout on 127.0.0.1. `with_free_ports(spec)` moves each pool to a base port whose whole band (HTTP,
+KV events, NIXL side channel, replay, per-rank HTTP, DP RPC) is free, for runs that share the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmd.engines.vllm import (
+    DP_RPC_OFFSET,
+    NODE_ADDRESS,
+    RANK_HTTP_OFFSET,
+    EngineLaunch,
+    LaunchMode,
+    head_placeholder,
+    vllm_launches,
+)
+from llmd.engines.vllm_server import log_tail, stop_process_group, wait_healthy
+from llmd.errors import UserError
+from llmd.router.endpoints import PodInfo
+from llmd.spec.layout import KV_EVENTS_OFFSET, REPLAY_OFFSET, SIDE_CHANNEL_OFFSET, EngineEndpoint, engine_endpoints
+from llmd.spec.model import DeploymentSpec
+
+LOCALHOST = "127.0.0.1"
+CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernels take block sizes in multiples of 32
+CPU_MEMORY_FRACTION = 0.25  # of host memory per server; several servers share this machine
+# On CPU the fraction above is only checked against free memory at start-up; what the KV cache takes is this (unless
+# --num-gpu-blocks-override sets fewer blocks): without it each server would fill ~0.25 of the host with KV cache.
+CPU_KV_CACHE_BYTES = 256 << 20
+WARMUP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class EngineProcess:
+    """One started vLLM process and where it answers."""
+
+    launch: EngineLaunch
+    proc: subprocess.Popen
+    log: Path
+    pod: PodInfo | None  # None: a headless node (no HTTP of its own)
+
+    @property
+    def name(self) -> str:
+        return self.pod.name if self.pod else f"{self.launch.role}-{self.launch.replica}-node{self.launch.node_index}"
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+def cpu_argv(launch: EngineLaunch, memory_fraction: float = CPU_MEMORY_FRACTION) -> list[str]:
+    """The launch's argv for this machine: placeholders resolved, HTTP on 127.0.0.1, CPU settings."""
+    argv = [_resolve(a, launch) for a in launch.argv]
+    if "--host" in argv:
+        argv = _set_flag(argv, "--host", LOCALHOST)
+    argv = _set_flag(argv, "--gpu-memory-utilization", repr(memory_fraction))
+    if "--kv-cache-memory-bytes" not in argv:
+        argv += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    for flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
+        if flag not in argv:
+            argv.append(flag)
+    return argv
+
+
+def cpu_env(launch: EngineLaunch, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The process environment: ours, without a PYTHONHASHSEED the spec did not ask for (it would change vLLM's
+    NONE_HASH and so every block hash), plus the launch's (placeholders resolved) and offline mode."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update({k: _resolve(v, launch) for k, v in launch.env.items()})
+    env.update(extra or {})
+    return env
+
+
+def core_binds(n_servers: int, cores: list[int] | None = None) -> list[str]:
+    """VLLM_CPU_OMP_THREADS_BIND for each of n single-rank servers: the machine's cores split between them, one core
+    each (shared round-robin) when there are more servers than cores. vLLM's default binds every server's OpenMP
+    threads to all cores, and on a loaded machine their barriers then spin against each other: prompt throughput fell
+    from thousands of tokens/s to ~60 with three servers on two busy cores."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if n_servers >= len(cores):
+        return [str(cores[i % len(cores)]) for i in range(n_servers)]
+    per = len(cores) // n_servers
+    return [",".join(map(str, cores[i * per : (i + 1) * per])) for i in range(n_servers)]
+
+
+def _resolve(text: str, launch: EngineLaunch) -> str:
+    return text.replace(head_placeholder(launch.role, launch.replica), LOCALHOST).replace(NODE_ADDRESS, LOCALHOST)
+
+
+def check_cpu_spec(spec: DeploymentSpec) -> None:
+    """What vLLM's CPU build cannot run, said before minutes of start-up are spent."""
+    if spec.model.block_size % CPU_BLOCK_MULTIPLE:
+        raise UserError(
+            f"model.block_size {spec.model.block_size} does not run on vLLM's CPU build; use a multiple of "
+            f"{CPU_BLOCK_MULTIPLE} (e.g. {CPU_BLOCK_MULTIPLE})"
+        )
+    model = Path(spec.model.path)
+    if not (model / "config.json").exists() or not any(model.glob("*.safetensors")):
+        raise UserError(
+            f"{model} has no config.json and weights for vLLM to load; make a tiny model with "
+            f"`llmd model make-tiny {model}` (without --no-weights)"
+        )
+
+
+def pods_of(spec: DeploymentSpec, launches: Iterable[EngineLaunch], mode: LaunchMode) -> list[PodInfo | None]:
+    """The router's PodInfo for each launch (None for headless nodes), in launch order."""
+    eps: dict[tuple[str, int], EngineEndpoint] = {(e.role, e.replica): e for e in engine_endpoints(spec, LOCALHOST)}
+    out: list[PodInfo | None] = []
+    for launch in launches:
+        if launch.http_port is None:
+            out.append(None)
+            continue
+        ep = eps[(launch.role, launch.replica)]
+        dp, first = len(launch.ranks), launch.ranks[0]
+        per_rank = mode == "per-rank" and ep.dp_size > 1
+        nixl = spec.disaggregated
+        out.append(
+            PodInfo(
+                name=f"{ep.name}-rank{first}" if per_rank else ep.name,
+                role=launch.role,
+                url=f"http://{LOCALHOST}:{launch.http_port}",
+                dp_size=dp,
+                kv_events_endpoint=f"tcp://*:{ep.kv_events_port + first}",
+                kv_events_replay_endpoint=f"tcp://{LOCALHOST}:{ep.replay_port + first}",
+                side_channel_host=LOCALHOST if nixl else None,
+                side_channel_port=ep.side_channel_port + first if nixl else None,
+                # vLLM suffixes `_dp<rank>` itself for ranks > 0; a per-rank server is addressed as its own pod.
+                engine_id=(f"{ep.engine_id}_dp{first}" if per_rank and first else ep.engine_id) if nixl else None,
+            )
+        )
+    return out
+
+
+def _ports_of(spec: DeploymentSpec, role: str) -> list[int]:
+    """Every port the layout and the launches give one pool."""
+    pool = spec.pools[role]
+    ports: list[int] = []
+    for r in range(pool.replicas):
+        ports.append(pool.port + r)
+        ports.append(pool.port + DP_RPC_OFFSET + r)
+        for k in range(pool.dp_size):
+            i = r * pool.dp_size + k
+            ports += [pool.port + off + i for off in (KV_EVENTS_OFFSET, SIDE_CHANNEL_OFFSET, REPLAY_OFFSET)]
+            ports.append(pool.port + RANK_HTTP_OFFSET + i)
+    return ports
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOCALHOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def with_free_ports(spec: DeploymentSpec, *, low: int = 20_000, high: int = 59_000, seed: int | None = None) -> Any:
+    """The spec with each pool's base port moved to one whose whole band of ports is free now (racy, as any port
+    probe is; the bands are spread at random so concurrent runs rarely meet)."""
+    rng = random.Random(seed)
+    taken: set[int] = set()
+    update: dict[str, Any] = {}
+    for role, pool in spec.pools.items():
+        for _ in range(200):
+            base = rng.randrange(low, high - DP_RPC_OFFSET - pool.ranks)
+            trial = spec.model_copy(update={role: pool.model_copy(update={"port": base})})
+            ports = _ports_of(trial, role)
+            if not taken.intersection(ports) and all(_free(p) for p in ports):
+                taken.update(ports)
+                update[role] = trial.pools[role]
+                break
+        else:
+            raise UserError(f"found no free band of ports for the {role} pool between {low} and {high}")
+    return spec.model_copy(update=update)
+
+
+class VllmDeployment:
+    """Start, wait for, warm up and stop a spec's vLLM servers on this machine. A context manager."""
+
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        workdir: str | os.PathLike[str],
+        *,
+        mode: LaunchMode = "per-rank",
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
+        memory_fraction: float = CPU_MEMORY_FRACTION,
+        timeout_s: float | None = None,
+        warmup: bool = True,
+    ) -> None:
+        check_cpu_spec(spec)
+        self.spec = spec
+        self.workdir = Path(workdir)
+        self.mode = mode
+        self.python = python
+        self.env = dict(env or {})
+        self.memory_fraction = memory_fraction
+        self.timeout_s = timeout_s if timeout_s is not None else spec.engine.startup_timeout_s
+        self.warmup = warmup
+        self.processes: list[EngineProcess] = []
+
+    @property
+    def pods(self) -> list[PodInfo]:
+        return [p.pod for p in self.processes if p.pod is not None]
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.pods]
+
+    def __len__(self) -> int:
+        return len(self.pods)
+
+    def __enter__(self) -> VllmDeployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # From an event loop (llmd demo): start-up and stop are blocking waits, so they run in a thread. A cancelled
+    # start (Ctrl-C) still stops whatever it started: the thread finishes, then stop() runs.
+    async def __aenter__(self) -> VllmDeployment:
+        task = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await task
+            await asyncio.to_thread(self.stop)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def start(self) -> list[PodInfo]:
+        """Every server started concurrently, healthy and warmed up; their PodInfo. Stops them all on failure."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        launches = vllm_launches(self.spec, python=self.python, mode=self.mode)
+        binds = core_binds(len(launches))
+        try:
+            for i, (launch, pod) in enumerate(zip(launches, pods_of(self.spec, launches, self.mode), strict=True)):
+                name = pod.name if pod else f"{launch.role}-{launch.replica}-node{launch.node_index}"
+                log = self.workdir / f"{name}.log"
+                with open(log, "wb") as fh:
+                    proc = subprocess.Popen(
+                        cpu_argv(launch, self.memory_fraction),
+                        env=cpu_env(launch, self._bind(launch, binds[i])),
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own group: vLLM's engine-core and worker children stop with it
+                    )
+                self.processes.append(EngineProcess(launch, proc, log, pod))
+            deadline = time.monotonic() + self.timeout_s
+            every = [p.proc for p in self.processes]
+            for p in self.processes:
+                if p.pod is None:
+                    continue
+                # All processes count: a headless node or a peer dying fails the start as much as this one.
+                left = max(1.0, deadline - time.monotonic())
+                wait_healthy(p.pod.url + "/health", every, left, p.log, name=f"vLLM {p.name}")
+            if self.warmup:
+                for p in self.processes:
+                    if p.pod is not None:
+                        self._warm_up(p)
+        except BaseException:
+            self.stop()
+            raise
+        return self.pods
+
+    def _bind(self, launch: EngineLaunch, cores: str) -> dict[str, str]:
+        """Our extra env, plus a core binding for single-rank servers unless the spec or the caller set one."""
+        env = dict(self.env)
+        one_rank = len(launch.ranks) == 1 and self.spec.pools[launch.role].tp_size == 1
+        if one_rank and "VLLM_CPU_OMP_THREADS_BIND" not in {**launch.env, **env, **os.environ}:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        return env
+
+    def _warm_up(self, p: EngineProcess) -> None:
+        """One plain request, shorter than a block (no KV event, nothing cached), before any KV transfer."""
+        assert p.pod is not None
+        body = {"model": self.spec.model.served_name, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
+        req = urllib.request.Request(
+            p.pod.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=WARMUP_TIMEOUT_S) as resp:
+                resp.read()
+        except (OSError, urllib.error.URLError) as exc:
+            tail = log_tail(p.log)
+            raise UserError(f"vLLM {p.name} failed its warm-up request ({exc}); log {p.log}:\n{tail}") from exc
+
+    def stop(self) -> None:
+        """SIGTERM every group at once (vLLM shuts down in parallel), then wait for each, SIGKILL past the grace."""
+        for p in self.processes:
+            if p.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.proc.pid, signal.SIGTERM)
+        for p in self.processes:
+            stop_process_group(p.proc)
+            _reap_group(p.proc.pid)
+        self.processes = []
+
+    def failed(self) -> list[str]:
+        """Servers that exited while they should be running, with their log's tail."""
+        gone = [p for p in self.processes if p.proc.poll() is not None]
+        return [f"{p.name} exited {p.proc.returncode}:\n{log_tail(p.log)}" for p in gone]
+
+
+def _reap_group(pgid: int, grace_s: float = 5.0) -> None:
+    """Whatever of a group outlived its leader (an engine core whose API server exited first) is killed."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+# ---- llmd demo --engine vllm -----------------------------------------------------------------------------------------
+
+# The embedded demo deployment on real vLLM CPU servers: one prefill and one decode engine with NIXL between them (the
+# P/D path for real), 32-token blocks, 400 blocks each (the sim demo's 800 x 16 tokens). Two servers is what two
+# cores start in about a minute and a half.
+DEMO_BLOCK_SIZE = 32
+DEMO_GPU_BLOCKS = 400
+DEMO_MAX_NUM_SEQS = 16
+
+
+def demo_spec(spec: DeploymentSpec, *, embedded: bool) -> DeploymentSpec:
+    """The spec `llmd demo --engine vllm` runs: a spec file's as given (engine.kind vllm), or the embedded one shrunk
+    to 1 prefill + 1 decode server; the embedded model gets its weights made on first use."""
+    if not embedded:
+        return spec.model_copy(update={"engine": spec.engine.model_copy(update={"kind": "vllm"})})
+    one = {"nodes": 1, "replicas": 1, "max_num_seqs": DEMO_MAX_NUM_SEQS}
+    spec = spec.model_copy(
+        update={
+            "name": f"{spec.name}-vllm",
+            "model": spec.model.model_copy(update={"block_size": DEMO_BLOCK_SIZE}),
+            "prefill": spec.prefill.model_copy(update=one),
+            "decode": spec.decode.model_copy(update=one),
+            "kv": spec.kv.model_copy(update={"gpu_blocks": DEMO_GPU_BLOCKS}),
+            "engine": spec.engine.model_copy(update={"kind": "vllm"}),
+        }
+    )
+    model = Path(spec.model.path)
+    if not any(model.glob("*.safetensors")):
+        from llmd.models.tiny import make_tiny
+
+        print(f"making the tiny model's weights in {model} (first vLLM run only)")
+        make_tiny(model, weights=True)
+    return with_free_ports(spec)

@@ -1,0 +1,117 @@
+"""llmd.engines.vllm_deploy without starting vLLM: the CPU argv and env of each launch, the router's PodInfo, free port
+bands and the checks made before minutes of start-up are spent. Real servers: tests/vllm."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from llmd.engines.vllm import vllm_launches
+from llmd.engines.vllm_deploy import (
+    CPU_KV_CACHE_BYTES,
+    VllmDeployment,
+    _ports_of,
+    check_cpu_spec,
+    core_binds,
+    cpu_argv,
+    cpu_env,
+    demo_spec,
+    pods_of,
+    with_free_ports,
+)
+from llmd.errors import UserError
+from llmd.spec.model import DeploymentSpec
+
+
+def _spec(tmp_path: Path, **kw: object) -> DeploymentSpec:
+    model = tmp_path / "m"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    data = {
+        "model": {"path": str(model), "block_size": 32, "max_model_len": 1024},
+        "prefill": {"nodes": 1},
+        "decode": {"nodes": 2, "replicas": 2},
+        "engine": {"kind": "vllm"},
+    }
+    data.update(kw)
+    return DeploymentSpec.model_validate(data)
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_cpu_argv_resolves_placeholders_and_sets_cpu_flags(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    for launch in vllm_launches(spec, python="py", mode="per-rank"):
+        argv = cpu_argv(launch)
+        assert not any("@" in a for a in argv), argv
+        assert _flag(argv, "--host") == "127.0.0.1"
+        assert _flag(argv, "--gpu-memory-utilization") == "0.25"
+        assert _flag(argv, "--kv-cache-memory-bytes") == str(CPU_KV_CACHE_BYTES)
+        assert "--enforce-eager" in argv and argv.count("--gpu-memory-utilization") == 1
+        env = cpu_env(launch)
+        assert env["HF_HUB_OFFLINE"] == "1"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert "PYTHONHASHSEED" not in env
+    # Every server its own NIXL side channel.
+    ports = [cpu_env(la)["VLLM_NIXL_SIDE_CHANNEL_PORT"] for la in vllm_launches(spec)]
+    assert len(set(ports)) == 3
+
+
+def test_a_spec_hash_seed_reaches_the_engines(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, model={**_spec(tmp_path).model.model_dump(), "hash_seed": "7"})
+    assert all(cpu_env(la)["PYTHONHASHSEED"] == "7" for la in vllm_launches(spec))
+
+
+def test_pods_match_the_layout(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    launches = vllm_launches(spec, mode="per-rank")
+    pods = pods_of(spec, launches, "per-rank")
+    assert [p.name for p in pods] == ["prefill-0", "decode-0", "decode-1"]
+    for launch, pod in zip(launches, pods, strict=True):
+        assert pod.url == f"http://127.0.0.1:{launch.http_port}"
+        events = launch.argv[launch.argv.index("--kv-events-config") + 1]
+        assert pod.kv_events_endpoint is not None and pod.kv_events_endpoint.replace("*", "") in events.replace("*", "")
+        assert pod.engine_id == pod.name and pod.side_channel_port == int(
+            cpu_env(launch)["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+        )
+    # Without P/D there is no NIXL: no side channel, no engine id.
+    plain = _spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 1})
+    (pod,) = pods_of(plain, vllm_launches(plain), "per-rank")
+    assert pod.role == "decode" and pod.side_channel_port is None and pod.engine_id is None
+
+
+def test_with_free_ports_moves_every_pool_to_a_free_band(tmp_path: Path) -> None:
+    spec = with_free_ports(_spec(tmp_path), seed=1)
+    bands = {role: set(_ports_of(spec, role)) for role in spec.pools}
+    assert not bands["prefill"] & bands["decode"]
+    for ports in bands.values():
+        for port in ports:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+
+
+def test_checks_before_start(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="multiple of 32"):
+        check_cpu_spec(_spec(tmp_path, model={"path": str(tmp_path / "m"), "block_size": 16}))
+    with pytest.raises(UserError, match="llmd model make-tiny"):
+        VllmDeployment(_spec(tmp_path, model={"path": str(tmp_path / "nothing"), "block_size": 32}), tmp_path)
+
+
+def test_demo_spec_is_one_prefill_and_one_decode_on_blocks_of_32(tmp_path: Path) -> None:
+    base = _spec(tmp_path, engine={"kind": "sim"})
+    spec = demo_spec(base, embedded=True)
+    assert spec.engine.kind == "vllm" and spec.model.block_size == 32
+    assert (spec.prefill.replicas, spec.decode.replicas) == (1, 1)
+    assert spec.decode.port != base.decode.port or spec.prefill.port != base.prefill.port  # free bands
+    assert demo_spec(base, embedded=False).decode.replicas == 2  # a spec file runs as written
+
+
+def test_core_binds_split_the_cores() -> None:
+    assert core_binds(3, [0, 1]) == ["0", "1", "0"]
+    assert core_binds(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert core_binds(1, [4, 5]) == ["4,5"]
