@@ -20,6 +20,7 @@ def _registrars() -> list[Registrar]:
     # Imported lazily so `llmd --help` stays fast and a missing optional dependency breaks only its own command.
     from llmd import demo
     from llmd.engines.sim import cli as sim_cli
+    from llmd.fabric import cli as fabric_cli
     from llmd.launch import cli as launch_cli
     from llmd.models import cli as model_cli
     from llmd.report import cli as report_cli
@@ -36,6 +37,7 @@ def _registrars() -> list[Registrar]:
         bench_cli.register,
         report_cli.register,
         launch_cli.register,
+        fabric_cli.register,
     ]
 
 

@@ -1,0 +1,7 @@
+"""`python -m llmd.fabric ...`: see llmd.fabric.bootstrap."""
+
+import sys
+
+from llmd.fabric.bootstrap import main
+
+sys.exit(main())

@@ -1,0 +1,263 @@
+"""`python -m llmd.fabric`: bring up one node of an engine component (see llmd/fabric/__init__.py for the contract).
+
+Order of events on every rank: rank and size, node names and addresses (allgather), the node plan (pure,
+llmd.fabric.plan), the NIXL preflight (every rank, same verdict), then MPI is finalised together and each rank starts
+its node's engine processes, waits for /health, appends its discovery entries and supervises the engines until a
+signal or an engine's death. Nothing in the supervision talks to MPI, so one node's failure never blocks another's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from llmd.errors import UserError
+from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
+
+DEFAULT_MIB = 64
+DEFAULT_ITERATIONS = 5
+DEFAULT_MIN_GBPS = 1.0
+# Launcher variables a child must not inherit: an engine that imports MPI would think it is one of our ranks.
+_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_")
+
+
+class FabricError(UserError):
+    """The fabric is not fit to serve (a slow or broken link); every rank exits with this code."""
+
+    exit_code = 3
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by SIGTERM/SIGINT; BaseException so no `except Exception` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m llmd.fabric",
+        description="Start one node of an engine component: rank layout, NIXL preflight, engine, discovery. "
+        "Run one task per node (srun, or mpiexec -n N locally); a single process without a launcher is 1 node.",
+    )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", required=True, help="deployment spec YAML")
+    p.add_argument("--run-dir", required=True, help="the run's folder on shared storage (HDF5, discovery, logs)")
+    p.add_argument("--role", required=True, choices=ROLES, help="which pool these tasks are")
+    p.add_argument(
+        "--preflight-mib", type=int, default=DEFAULT_MIB, metavar="N", help=f"MiB per transfer (default {DEFAULT_MIB})"
+    )
+    p.add_argument("--preflight-iterations", type=int, default=DEFAULT_ITERATIONS, metavar="K")
+    p.add_argument(
+        "--min-gbps",
+        type=float,
+        default=DEFAULT_MIN_GBPS,
+        metavar="X",
+        help=f"fail when a link is slower than X GB/s (default {DEFAULT_MIN_GBPS:g}; 0 = never)",
+    )
+    p.add_argument("--no-preflight", action="store_true", help="skip the NIXL preflight")
+    p.add_argument("--launch-mode", choices=("head-headless", "per-rank"), default="head-headless")
+    p.add_argument("--startup-timeout", type=float, help="seconds to wait for /health (default: the spec's)")
+    p.add_argument("--python", default=sys.executable, help="interpreter the engines run with")
+
+
+def _log(role: str, index: int | str, msg: str) -> None:
+    print(f"llmd fabric [{role} node {index}]: {msg}", file=sys.stderr, flush=True)
+
+
+def load_spec_checked(path: str) -> Any:
+    from llmd.spec import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+    return {**env, **extra}
+
+
+def plan_doc(plans: Sequence[NodePlan]) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": p.index,
+            "node": p.node,
+            "address": p.address,
+            "replica": p.replica,
+            "node_in_replica": p.node_in_replica,
+            "dp_ranks": p.dp_ranks,
+            "ports": p.ports,
+            "processes": [
+                {"name": e.name, "argv": e.argv, "env": e.env, "http_port": e.http_port} for e in p.processes
+            ],
+        }
+        for p in plans
+    ]
+
+
+def bring_up(args: argparse.Namespace) -> tuple[Any, list[NodePlan], int, Any]:
+    """Everything that needs the other ranks: returns (spec, plans, this node's index, comm)."""
+    from llmd.fabric.comm import open_comm
+    from llmd.fabric.nodes import local_address, local_node_name, order_nodes, slurm_node_order
+    from llmd.fabric.plan import plan_nodes
+
+    spec_path = os.path.abspath(args.spec)
+    spec = load_spec_checked(spec_path)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    comm = open_comm(run_dir, args.role, env)
+    names = comm.allgather((local_node_name(env), socket.gethostname()))
+    single_host = len({host for _, host in names}) == 1
+    addresses = comm.allgather(local_address(env, single_host))
+    slurm_order = slurm_node_order(env) if env.get("SLURM_JOB_ID") else None
+    where = order_nodes([n for n, _ in names], slurm_order)
+    nodes = [""] * comm.size
+    node_addresses = [""] * comm.size
+    for rank, k in enumerate(where):
+        nodes[k], node_addresses[k] = names[rank][0], addresses[rank]
+    plans = plan_nodes(
+        spec, args.role, nodes, node_addresses, spec_path=spec_path, python=args.python, mode=args.launch_mode
+    )
+    if comm.rank == 0:
+        doc = {"role": args.role, "comm": comm.kind, "ranks": comm.size, "nodes": plan_doc(plans)}
+        (run_dir / f"fabric-{args.role}-plan.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return spec, plans, where[comm.rank], comm
+
+
+def preflight(args: argparse.Namespace, comm: Any, spec_text: str, node: str) -> None:
+    """Measure, record (rank 0), judge (every rank alike). FabricError names every link below the threshold."""
+    try:
+        from llmd.fabric.preflight import run_preflight, slow_links
+    except ImportError as exc:
+        raise UserError(f"the preflight needs nixl ({exc}); pip install 'llmd[fabric]' or pass --no-preflight") from exc
+    from llmd.fabric.record import write_matrix
+
+    if args.preflight_mib < 1 or args.preflight_iterations < 1:
+        raise UserError("--preflight-mib and --preflight-iterations must be >= 1")
+    result = run_preflight(comm, args.preflight_mib << 20, args.preflight_iterations, args.role, node)
+    if comm.rank == 0:
+        path = write_matrix(Path(args.run_dir), result, min_gbps=args.min_gbps, spec_text=spec_text)
+        _log(args.role, 0, f"preflight: {result.size}x{result.size} bandwidth matrix in {path}")
+    problems = list(result.errors)
+    if args.min_gbps > 0:
+        problems += slow_links(result.gbps, args.min_gbps, result.hostnames, args.role)
+    problems = list(dict.fromkeys(problems))
+    if problems and comm.rank == 0:
+        raise FabricError("fabric preflight failed:\n  " + "\n  ".join(problems))
+    if problems:
+        # Every rank fails; one full list (rank 0's) is enough in a job log of many nodes.
+        more = f" (and {len(problems) - 1} more, listed by rank 0)" if len(problems) > 1 else ""
+        raise FabricError(f"fabric preflight failed: {problems[0]}{more}")
+
+
+def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log = log_dir / f"{proc.name}.log"
+    with open(log, "ab") as fh:  # appended: a restarted node keeps the earlier attempt's log
+        child = subprocess.Popen(
+            proc.argv, env=_child_env(proc.env), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return child, log
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
+    """Start this node's engines, announce them once healthy, supervise until a signal or an engine's death."""
+    from llmd.engines.vllm_server import log_tail, stop_process_group, wait_healthy
+    from llmd.fabric.discovery import FILE_NAME, publish
+
+    run_dir = Path(args.run_dir)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    timeout = args.startup_timeout or spec.engine.startup_timeout_s
+    started: list[tuple[EngineProcess, subprocess.Popen, Path]] = []
+    try:
+        for proc in plan.processes:
+            child, log = _start(proc, log_dir)
+            started.append((proc, child, log))
+            _log(plan.role, plan.index, f"started {proc.name} (pid {child.pid}), log {log}")
+        children = [c for _, c, _ in started]
+        for proc, _, log in started:
+            if proc.health_url is not None:
+                wait_healthy(proc.health_url, children, timeout, log, name=proc.name)
+        entries = [e for proc, _, _ in started for e in proc.discovery]
+        if entries:
+            publish(run_dir / FILE_NAME, entries)
+        ready = ", ".join(f"{e['name']} at {e['url']}" for e in entries) or "no HTTP endpoint on this node"
+        _log(plan.role, plan.index, f"ready: {ready}")
+        while True:
+            for proc, child, log in started:
+                if child.poll() is not None:
+                    _log(plan.role, plan.index, f"{proc.name} exited with code {child.returncode}; log {log}:")
+                    print(log_tail(log), file=sys.stderr, flush=True)
+                    return _exit_code(child.returncode)
+            time.sleep(0.5)
+    except _Stop as stop:
+        _log(plan.role, plan.index, f"signal {signal.Signals(stop.signum).name}: stopping the engines")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for _, child, _ in started:
+            stop_process_group(child)
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signum)
+
+
+def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    try:
+        spec, plans, index, comm = bring_up(args)
+        plan = plans[index]
+        _log(args.role, index, f"{plan.node} ({plan.address}): replica {plan.replica}, DP ranks {plan.dp_ranks}")
+        if not args.no_preflight:
+            spec_text = Path(args.spec).read_text()
+            preflight(args, comm, spec_text, plan.node)
+        _finalize_mpi(comm)
+    except _Stop as stop:
+        _log(args.role, "?", f"signal {signal.Signals(stop.signum).name} before the engines started")
+        return 0
+    return serve(args, spec, plan)
+
+
+def _finalize_mpi(comm: Any) -> None:
+    # Together, now: every rank is here at the same moment. Left to exit time, a rank whose engine died could wait
+    # in MPI_Finalize for ranks that are still serving.
+    if getattr(comm, "kind", "") == "mpi":
+        comm.barrier()
+        from mpi4py import MPI
+
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"llmd fabric: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
