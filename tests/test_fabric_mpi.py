@@ -1,0 +1,197 @@
+"""The fabric for real: NIXL transfers, `mpiexec -n 2|4 python -m llmd.fabric` (preflight matrix, fail-fast, sim
+engines, discovery, SIGTERM), a singleton, and `llmd fabric preflight` as srun would start it without PMI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from netutil import free_ports
+
+pytest.importorskip("nixl._api")
+pytest.importorskip("mpi4py")
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from llmd.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
+
+
+def write_spec(path: Path, model_dir: Path, nodes: int, replicas: int, dp: int = 1) -> Path:
+    port = free_ports(replicas)
+    path.write_text(
+        f"name: fabric-test\nmodel:\n  path: {model_dir}\n  served_name: tiny\n  max_model_len: 512\n"
+        "prefill:\n  nodes: 0\n"
+        f"decode:\n  nodes: {nodes}\n  replicas: {replicas}\n  dp_size: {dp}\n  port: {port}\n"
+        "engine:\n  kind: sim\n  time_scale: 0\n  startup_timeout_s: 120\n"
+    )
+    return path
+
+
+def clean_env() -> dict[str, str]:
+    # Tests may run inside a Slurm job; its variables would make the bootstrap follow that job's layout.
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PMI_", "HYDRA"))}
+
+
+def fabric_cmd(spec: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "llmd.fabric", "--spec", str(spec), "--run-dir", str(run_dir), "--role", "decode"]
+
+
+def check_matrix(path: Path, n: int, nbytes: int) -> np.ndarray:
+    with h5py.File(path) as f:
+        g = f["fabric/decode"]
+        m = g["bandwidth_gbps"][()]
+        assert m.shape == (n, n)
+        assert all(math.isnan(m[i, i]) for i in range(n)), "no link from a node to itself"
+        off = m[~np.eye(n, dtype=bool)]
+        assert np.all(np.isfinite(off)) and np.all(off > 0)
+        assert g["times_s"].shape[:2] == (n, n)
+        assert list(g.attrs["ranks"]) == list(range(n)) and len(g.attrs["hostnames"]) == n
+        assert g.attrs["bytes"] == nbytes and g.attrs["iterations"] >= 1 and g.attrs["backend"] == "UCX"
+        assert g.attrs["time"] > 1.6e9 and json.loads(g.attrs["errors"]) == []
+        assert f.attrs["producer"] == "fabric-decode"
+    return m
+
+
+def test_nixl_pair_bandwidth_in_process() -> None:
+    from llmd.fabric.preflight import pair_bandwidth
+
+    gbps, errors = pair_bandwidth(4 << 20, 3)
+    assert errors == [] and gbps > 0.05
+
+
+@pytest.mark.integration
+def test_mpiexec_4_ranks_measure_every_link_and_fail_fast_naming_them(tmp_path: Path, model_dir: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=4, replicas=2, dp=2)
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "4", *fabric_cmd(spec, run_dir)]
+    cmd += ["--preflight-mib", "4", "--preflight-iterations", "2", "--min-gbps", "100000"]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0, out.stderr
+    links = re.findall(r"decode rank (\d) \(\S+\) -> rank (\d) \(\S+\): [0-9.]+ GB/s < 100000 GB/s", out.stderr)
+    assert {(int(a), int(b)) for a, b in links} == {(i, j) for i in range(4) for j in range(4) if i != j}
+    check_matrix(run_dir / "fabric-decode.h5", 4, 4 << 20)
+    plan = json.loads((run_dir / "fabric-decode-plan.json").read_text())
+    assert [(n["replica"], n["dp_ranks"]) for n in plan["nodes"]] == [(0, [0]), (0, [1]), (1, [0]), (1, [1])]
+    assert not (run_dir / "discovery.json").exists(), "no engine starts on a failed fabric"
+
+
+def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _entries(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _complete(url: str) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": "hello fabric", "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return json.loads(resp.read())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes (its parent has not reaped it yet).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _serve_and_stop(cmd: list[str], run_dir: Path, replicas: int, stderr_path: Path) -> str:
+    """Start, wait for every replica in discovery, ask each one, SIGTERM, check nothing is left; returns stderr."""
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stderr=err, start_new_session=True)
+    try:
+        disc = run_dir / "discovery.json"
+        _wait_for(lambda: len(_entries(disc)) == replicas, 180, "discovery entries", proc)
+        entries = _entries(disc)
+        assert sorted(e["name"] for e in entries) == [f"decode-{r}" for r in range(replicas)]
+        for e in entries:
+            assert e["url"].startswith("http://127.0.0.1:")
+            assert _complete(e["url"])["choices"][0]["text"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = stderr_path.read_text()
+    pids = [int(p) for p in re.findall(r"started decode-\d+ \(pid (\d+)\)", text)]
+    assert len(pids) == replicas
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "an engine outlived the fabric task"
+    assert len(_entries(run_dir / "discovery.json")) == replicas, "nothing written is removed"
+    return text
+
+
+@pytest.mark.integration
+def test_mpiexec_2_ranks_preflight_engines_discovery_and_sigterm(tmp_path: Path, model_dir: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=2, replicas=2)
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "2", *fabric_cmd(spec, run_dir), "--preflight-mib", "4", "--preflight-iterations", "2"]
+    text = _serve_and_stop(cmd, run_dir, 2, tmp_path / "stderr.txt")
+    check_matrix(run_dir / "fabric-decode.h5", 2, 4 << 20)
+    assert "signal SIGTERM: stopping the engines" in text
+    assert (run_dir / "logs" / "decode-0.log").exists() and (run_dir / "logs" / "decode-1.log").exists()
+
+
+@pytest.mark.integration
+def test_singleton_without_a_launcher_is_one_node(tmp_path: Path, model_dir: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
+    run_dir = tmp_path / "run"
+    cmd = [*fabric_cmd(spec, run_dir), "--preflight-mib", "1", "--preflight-iterations", "1"]
+    _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt")
+    with h5py.File(run_dir / "fabric-decode.h5") as f:
+        assert f["fabric/decode/bandwidth_gbps"].shape == (1, 1)
+
+
+@pytest.mark.integration
+def test_preflight_cli_as_srun_tasks_without_pmi(tmp_path: Path) -> None:
+    """Two singleton tasks that only Slurm's variables tie together exchange metadata through the run folder."""
+    procs = []
+    for rank in range(2):
+        env = {**clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77"}
+        cmd = [sys.executable, "-m", "llmd.cli", "fabric", "preflight", "--run-dir", str(tmp_path), "--mib", "2"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1].decode()[-2000:]
+    assert "GB/s (row: from, column: to)" in outs[0][0].decode()
+    assert list((tmp_path / ".fabric").iterdir()), "the exchange went through files"
+    with h5py.File(tmp_path / "fabric-preflight.h5") as f:
+        m = f["fabric/preflight/bandwidth_gbps"][()]
+        assert m.shape == (2, 2) and m[0, 1] > 0 and m[1, 0] > 0
