@@ -12,7 +12,7 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   everywhere; the share of prompt tokens the engines served from cache (their own usage.cached_tokens). The oracle is
   the share an unbounded cache that had seen every earlier prompt would serve. Target: precise >= 0.9 x oracle and
   precise > approximate.
-`python benchmarks/router.py` (~3 minutes).
+`python benchmarks/router.py` (~3 minutes); `--quick`: the hit rates only.
 """
 
 from __future__ import annotations
@@ -343,14 +343,20 @@ def hit_rates(model: Path, tmp: Path) -> None:
     report("precise_vs_approximate", rates["precise"] / max(rates["approximate"], 1e-9), 1.0, True, "{:.3f}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="hit rates by policy only (~1 minute)")
+    args = p.parse_args(argv)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory(prefix="llmd-router-bench-") as d:
         tmp = Path(d)
         model = make_tiny(tmp / "tiny", weights=False)
-        route_cost(model)
-        throughput(model, tmp)
+        if not args.quick:
+            route_cost(model)
+            throughput(model, tmp)
         hit_rates(model, tmp)
     return 0
 

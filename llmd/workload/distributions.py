@@ -58,8 +58,15 @@ class Quantiles:
         s1 = (l90 - l50) / Z90
         s2 = s1 if self.p99 is None else (math.log(self.p99) - l90) / (Z99 - Z90)
         z = np.asarray(z, dtype=float)
-        logx = np.where(z <= Z90, l50 + s1 * z, l90 + s2 * (z - Z90))
-        return np.clip(np.exp(logx), self.lo, self.hi)
+        # One slope: no knot to switch at (np.where costs as much as the rest).
+        logx = l50 + s1 * z if s2 == s1 else np.where(z <= Z90, l50 + s1 * z, l90 + s2 * (z - Z90))
+        x = np.exp(logx)
+        # np.clip costs several times two plain ufuncs on the short arrays a session plan draws.
+        if self.lo > 0:
+            x = np.maximum(x, self.lo)
+        if self.hi < math.inf:
+            x = np.minimum(x, self.hi)
+        return x
 
     def sample(self, rng: np.random.Generator, n: int | None = None) -> np.ndarray | float:
         if n is None:

@@ -30,6 +30,11 @@ VOCAB = tuple(
 )
 
 
+_PICKS = 1 << 16
+_SP_WORDS = tuple(" " + w for w in VOCAB)
+_NL_WORDS = tuple("\n" + w for w in VOCAB)
+
+
 @dataclass(frozen=True, slots=True)
 class PromptTurn:
     """A turn as a chat request: `messages` (system + user + assistant/tool pairs) whose rendered prompt has exactly
@@ -63,7 +68,14 @@ class PromptWriter:
         self._one_ns = np.flatnonzero(self._ns == 1)
         if not len(self._one_sp) or not len(self._one_ns):
             raise ValueError("the tokenizer has no one-token vocabulary word; exact counts are not possible")
+        # Plain ints for the per-word loop of `text` (numpy scalars cost ~10x there).
+        self._ns_l, self._sp_l = self._ns.tolist(), self._sp.tolist()
+        self._one_ns_w, self._one_sp_w = int(self._one_ns[0]), int(self._one_sp[0])
+        self._nl = int(self._nl)
         self._salt_cost = len(enc(salt, add_special_tokens=False)) if salt else 0
+        # One fixed stream of word picks; a key starts at its own offset in it. Seeding a Generator per text cost
+        # more than writing a short text (the load generator writes two texts a turn, on its event loop).
+        self._picks = np.random.default_rng(0x1D1D).integers(0, len(VOCAB), size=_PICKS).tolist()
 
         def n(msgs: list[dict[str, Any]], gen: bool = True) -> int:
             return len(tokenizer.chat_token_ids(msgs, add_generation_prompt=gen))
@@ -108,30 +120,30 @@ class PromptWriter:
         """Lines of words, exactly `n_tokens` tokens (>= 1), the same for the same key."""
         if n_tokens < 1:
             raise ValueError(f"need at least one token of text, got {n_tokens}")
-        rng = np.random.default_rng(zlib.crc32(key.encode()))
-        picks = rng.integers(0, len(VOCAB), size=n_tokens)
+        picks, ns, sp, nl = self._picks, self._ns_l, self._sp_l, self._nl
+        one_ns, one_sp = self._one_ns_w, self._one_sp_w
+        i = zlib.crc32(key.encode()) % _PICKS
         out: list[str] = []
         left = n_tokens
-        i = 0
         col = 0
         while left > 0:
-            w = int(picks[i % len(picks)])
-            i += 1
+            w = picks[i]
+            i = i + 1 if i + 1 < _PICKS else 0
             if col == 0:
-                if self._ns[w] > left:
-                    w = int(self._one_ns[0])
+                if ns[w] > left:
+                    w = one_ns
                 out.append(VOCAB[w])
-                left -= int(self._ns[w])
+                left -= ns[w]
                 col = 1
-            elif col >= 12 and left > self._nl + int(self._ns[w]):
-                out.append("\n" + VOCAB[w])
-                left -= self._nl + int(self._ns[w])
+            elif col >= 12 and left > nl + ns[w]:
+                out.append(_NL_WORDS[w])
+                left -= nl + ns[w]
                 col = 1
             else:
-                if self._sp[w] > left:
-                    w = int(self._one_sp[0])
-                out.append(" " + VOCAB[w])
-                left -= int(self._sp[w])
+                if sp[w] > left:
+                    w = one_sp
+                out.append(_SP_WORDS[w])
+                left -= sp[w]
                 col += 1
         return "".join(out)
 

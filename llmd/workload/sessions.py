@@ -143,23 +143,28 @@ def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s
         turn, size = model.fixed_fork
         if turn < n:
             forks[turn], groups[turn] = True, size
+    # Plain Python values for the per-turn loop: numpy scalars cost several times more there, and the load
+    # generator plans on its event loop.
+    fk_n = np.where(forks, groups, 0).tolist()
+    growth_l, output_l, gaps_l, starts_l = growth.tolist(), output.tolist(), gaps.tolist(), starts.tolist()
+    resets_l, compactions_l = resets.tolist(), compactions.tolist()
     turns: list[Turn] = []
     children: list[SessionPlan] = []
-    ctx = int(starts[0])
-    turns.append(Turn(sid, 0, None, False, ctx, ctx, int(output[0]), float(start_s), forks=_forks(forks, groups, 0)))
+    ctx = starts_l[0]
+    turns.append(Turn(sid, 0, None, False, ctx, ctx, output_l[0], float(start_s), forks=fk_n[0]))
+    ratio = model.compaction_ratio
     for t in range(1, n):
         reset = compaction = False
-        nxt = ctx + int(output[t - 1]) + int(growth[t])
-        if compactions[t]:
+        nxt = ctx + output_l[t - 1] + growth_l[t]
+        if compactions_l[t]:
             compaction = True
-            nxt = max(floor, round(ctx * model.compaction_ratio))
-        elif resets[t] or nxt > max_ctx:
+            nxt = max(floor, round(ctx * ratio))
+        elif resets_l[t] or nxt > max_ctx:
             reset = True
-            nxt = int(starts[t])
-        new = nxt if (reset or compaction) else int(growth[t])
+            nxt = starts_l[t]
+        new = nxt if (reset or compaction) else growth_l[t]
         ctx = nxt
-        fk = _forks(forks, groups, t)
-        turns.append(Turn(sid, t, None, False, ctx, new, int(output[t]), float(gaps[t]), reset, compaction, fk))
+        turns.append(Turn(sid, t, None, False, ctx, new, output_l[t], gaps_l[t], reset, compaction, fk_n[t]))
     for turn in turns:
         for k in range(turn.forks):
             children.append(_plan_subagent(model, seed, agent, index, turn, k))
