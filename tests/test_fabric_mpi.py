@@ -130,8 +130,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve_and_stop(cmd: list[str], run_dir: Path, replicas: int, stderr_path: Path) -> str:
-    """Start, wait for every replica in discovery, ask each one, SIGTERM, check nothing is left; returns stderr."""
+def _serve_and_stop(cmd: list[str], run_dir: Path, replicas: int, stderr_path: Path, kill_engine: bool = False) -> str:
+    """Start, wait for every replica in discovery, ask each one, then SIGTERM the task (exit 0) or SIGKILL its engine
+    (the task exits 128 + 9); check nothing is left running; returns the task's stderr."""
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stderr=err, start_new_session=True)
     try:
@@ -142,8 +143,13 @@ def _serve_and_stop(cmd: list[str], run_dir: Path, replicas: int, stderr_path: P
         for e in entries:
             assert e["url"].startswith("http://127.0.0.1:")
             assert _complete(e["url"])["choices"][0]["text"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        if kill_engine:
+            pid = int(re.findall(r"started decode-0 \(pid (\d+)\)", stderr_path.read_text())[0])
+            os.kill(pid, signal.SIGKILL)
+            assert proc.wait(timeout=90) == 128 + signal.SIGKILL
+        else:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -171,11 +177,14 @@ def test_mpiexec_2_ranks_preflight_engines_discovery_and_sigterm(tmp_path: Path,
 
 
 @pytest.mark.integration
-def test_singleton_without_a_launcher_is_one_node(tmp_path: Path, model_dir: Path) -> None:
+def test_singleton_without_a_launcher_is_one_node_and_dies_with_its_engine(tmp_path: Path, model_dir: Path) -> None:
     spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
     run_dir = tmp_path / "run"
     cmd = [*fabric_cmd(spec, run_dir), "--preflight-mib", "1", "--preflight-iterations", "1"]
-    _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt")
+    text = _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt", kill_engine=True)
+    assert "decode-0 exited with code -9" in text
+    log_lines = (run_dir / "logs" / "decode-0.log").read_text().splitlines()
+    assert log_lines and log_lines[-1] in text, "the engine's log tail is on stderr"
     with h5py.File(run_dir / "fabric-decode.h5") as f:
         assert f["fabric/decode/bandwidth_gbps"].shape == (1, 1)
 

@@ -133,7 +133,10 @@ def open_comm(run_dir: Path, tag: str, env: dict[str, str] | None = None) -> Com
     hint = slurm_world(env)
     if comm.size == 1 and hint is not None and hint[1] > 1:
         rank, size = hint
-        # One folder per job step: a requeued job or the next step never reads an earlier step's files.
-        step = f"{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_STEP_ID', 'step')}"
+        # One folder per job step and attempt: the next step, or a requeued job (whose step ids start again at 0),
+        # never reads an earlier one's files.
+        step = (
+            f"{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_STEP_ID', 'step')}.{env.get('SLURM_RESTART_COUNT', '0')}"
+        )
         return FileComm(run_dir / ".fabric" / f"{tag}-{step}", rank, size)
     return comm
