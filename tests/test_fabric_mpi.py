@@ -173,7 +173,7 @@ def test_mpiexec_2_ranks_preflight_engines_discovery_and_sigterm(tmp_path: Path,
     text = _serve_and_stop(cmd, run_dir, 2, tmp_path / "stderr.txt")
     check_matrix(run_dir / "fabric-decode.h5", 2, 4 << 20)
     assert "signal SIGTERM: stopping the engines" in text
-    assert (run_dir / "logs" / "decode-0.log").exists() and (run_dir / "logs" / "decode-1.log").exists()
+    assert sorted(p.name for p in (run_dir / "logs" / "engines").iterdir()) == ["decode-0.log", "decode-1.log"]
 
 
 @pytest.mark.integration
@@ -182,8 +182,8 @@ def test_singleton_without_a_launcher_is_one_node_and_dies_with_its_engine(tmp_p
     run_dir = tmp_path / "run"
     cmd = [*fabric_cmd(spec, run_dir), "--preflight-mib", "1", "--preflight-iterations", "1"]
     text = _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt", kill_engine=True)
-    assert "decode-0 exited with code -9" in text
-    log_lines = (run_dir / "logs" / "decode-0.log").read_text().splitlines()
+    assert text.splitlines()[-1].endswith("decode-0: engine exited with code -9"), "the cause comes last"
+    log_lines = (run_dir / "logs" / "engines" / "decode-0.log").read_text().splitlines()
     assert log_lines and log_lines[-1] in text, "the engine's log tail is on stderr"
     with h5py.File(run_dir / "fabric-decode.h5") as f:
         assert f["fabric/decode/bandwidth_gbps"].shape == (1, 1)

@@ -23,11 +23,12 @@ single process without a launcher (1 node). It
    (default 1; 0 disables) or a failed/corrupted transfer makes every rank exit with code 3, naming each link:
    `prefill rank 1 (node2) -> rank 3 (node4): 0.41 GB/s < 1 GB/s`.
 3. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's
-   address; vllm: llmd.engines.vllm.vllm_launches with addresses resolved), logs in DIR/logs/<name>.log, waits for
-   /health, then appends the node's entries to DIR/discovery.json (llmd.fabric.discovery: locked, atomic; the
-   router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the task exit
-   with the engine's status (128+signal if killed), its log tail on stderr, so `srun --kill-on-bad-exit` ends the job.
-   User mistakes (spec, node count) exit 2 with a message.
+   address; vllm: llmd.engines.vllm.vllm_launches with addresses resolved), logs in DIR/logs/engines/<name>.log,
+   waits for /health, then appends the node's entries to DIR/discovery.json (llmd.fabric.discovery: locked, atomic;
+   the router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the task
+   exit with the engine's status (128+signal if killed), its log tail on stderr and, as the last line,
+   `<name>: engine exited with code <rc>`, so `srun --kill-on-bad-exit` ends the job with a cause to report.
+   User mistakes (spec, node count) exit 2 with a message; every rank prints what it saw.
 
 MPI is only used before the engines start and is finalised by all ranks together; no rank ever waits in a blocking
 MPI call (Ibarrier + Test + sleep), which on small nodes would spin a core the transfers need.

@@ -187,7 +187,8 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
     from llmd.fabric.discovery import FILE_NAME, publish
 
     run_dir = Path(args.run_dir)
-    log_dir = run_dir / "logs"
+    # A folder of their own: the launcher's srun writes each task's output to logs/<role>-<task>.log.
+    log_dir = run_dir / "logs" / "engines"
     log_dir.mkdir(parents=True, exist_ok=True)
     timeout = args.startup_timeout or spec.engine.startup_timeout_s
     started: list[tuple[EngineProcess, subprocess.Popen, Path]] = []
@@ -208,8 +209,10 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
         while True:
             for proc, child, log in started:
                 if child.poll() is not None:
-                    _log(plan.role, plan.index, f"{proc.name} exited with code {child.returncode}; log {log}:")
+                    _log(plan.role, plan.index, f"{proc.name} ended; the tail of {log}:")
                     print(log_tail(log), file=sys.stderr, flush=True)
+                    # Last, so a reader of the task's output (the main job) finds the cause in its final line.
+                    _log(plan.role, plan.index, f"{proc.name}: engine exited with code {child.returncode}")
                     return _exit_code(child.returncode)
             time.sleep(0.5)
     except _Stop as stop:
