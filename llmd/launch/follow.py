@@ -14,6 +14,7 @@ from llmd.errors import UserError
 from llmd.launch.runstate import is_final, read_state, update_state
 
 FOLLOW_POLL_S = 2.0
+SLURM_GRACE_S = 60.0
 
 
 def index_path() -> Path:
@@ -105,6 +106,7 @@ def follow(
     seen: tuple[Any, ...] = ()
     deadline = time.monotonic() + limit_s
     state = current(run_dir, slurm)
+    ended_at = float("inf")
     while True:
         key = (state.get("state"), state.get("phase"), (state.get("progress") or {}).get("requests"))
         if key != seen:
@@ -112,7 +114,14 @@ def follow(
             prog = state.get("progress") or {}
             extra = f", {prog['requests']} requests" if "requests" in prog else ""
             out(f"[{time.strftime('%H:%M:%S')}] {state.get('state')}: {state.get('phase') or ''}{extra}")
-        if is_final(state.get("state", "")) or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             return state
+        if is_final(state.get("state", "")):
+            # The main job writes its verdict just before it exits; return once Slurm has ended the job too, so
+            # nothing of it is left running when `llmd launch` returns.
+            slurm_state = (state.get("slurm") or {}).get("state", "UNKNOWN")
+            if is_final(slurm_state) or slurm_state == "UNKNOWN" or time.monotonic() > ended_at + SLURM_GRACE_S:
+                return state
+            ended_at = min(ended_at, time.monotonic())
         time.sleep(FOLLOW_POLL_S)
         state = current(run_dir, slurm)
