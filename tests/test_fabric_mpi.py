@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,3 +205,35 @@ def test_preflight_cli_as_srun_tasks_without_pmi(tmp_path: Path) -> None:
     with h5py.File(tmp_path / "fabric-preflight.h5") as f:
         m = f["fabric/preflight/bandwidth_gbps"][()]
         assert m.shape == (2, 2) and m[0, 1] > 0 and m[1, 0] > 0
+
+
+def _slurm_problem() -> str | None:
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return "no Slurm here (srun/sinfo not on PATH)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 20 s"
+    up = [ln for ln in out.stdout.splitlines() if ln.split()[-1].rstrip("*") in ("idle", "mixed", "allocated")]
+    return None if out.returncode == 0 and len(up) >= 2 else f"fewer than 2 usable nodes: {out.stdout.strip()!r}"
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("mpi", ["pmi2", "none"])
+def test_preflight_under_srun(tmp_path: Path, mpi: str) -> None:
+    """One task per node under srun: an MPI world through Slurm's PMI2, or singletons that meet through files."""
+    problem = _slurm_problem()
+    if problem:
+        if os.environ.get("LLMD_REQUIRE_SLURM") == "1":
+            pytest.fail(f"LLMD_REQUIRE_SLURM=1 but {problem}")
+        pytest.skip(problem)
+    cmd = ["srun", "-N2", "--ntasks-per-node=1", f"--mpi={mpi}", "-t", "5", sys.executable, "-m", "llmd.cli"]
+    cmd += ["fabric", "preflight", "--run-dir", str(tmp_path), "--mib", "4", "--iterations", "2", "--label", "decode"]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / ".fabric").exists() == (mpi == "none")
+    m = check_matrix(tmp_path / "fabric-decode.h5", 2, 4 << 20)
+    with h5py.File(tmp_path / "fabric-decode.h5") as f:
+        names = list(f["fabric/decode"].attrs["hostnames"])
+    assert len(set(names)) == 2, f"Slurm's node names, not the shared hostname: {names}"
+    assert m.shape == (2, 2)
