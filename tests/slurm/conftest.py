@@ -68,7 +68,9 @@ def pool_ports() -> tuple[int, int, int]:
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(20000, 28000, 10)
-        ports = [base + d + band for d in (0, 100) for band in (0, 1000, 2000, 3000)] + [base + 500]
+        # up to 4 replicas/ranks per pool: base + replica (HTTP) and base + band + rank (events, side channel, replay)
+        ports = [base + d + band + k for d in (0, 100) for band in (0, 1000, 2000, 3000) for k in range(4)]
+        ports.append(base + 500)
         if all(_free(p) for p in ports):
             return base + 500, base, base + 100
     raise RuntimeError("no free port layout")

@@ -186,3 +186,15 @@ def test_example_sweep_dry_run(capsys, monkeypatch) -> None:
     assert main(["sweep", "sweeps/examples/policies.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "6 variants" in out and "#SBATCH --array=0-5%6" in out
+
+
+def test_follow_limit_reads_every_slurm_time_format() -> None:
+    from llmd.launch.cli import _limit_s
+
+    assert _limit_s("90") == 5400
+    assert _limit_s("10:30") == 630
+    assert _limit_s("01:00:00") == 3600
+    assert _limit_s("1-12") == 86400 + 12 * 3600
+    assert _limit_s("2-00:30") == 2 * 86400 + 1800
+    assert _limit_s("1-00:00:10") == 86410
+    assert _limit_s("infinite") >= 86400

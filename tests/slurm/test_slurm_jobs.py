@@ -153,3 +153,19 @@ def test_requeue_resumes_and_keeps_earlier_rows(tmp_path: Path, tiny_tokenizer: 
     second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
     assert len(first) > 0 and len(second) > 0
     assert len(read_requests(run / "metrics.h5")) == len(first) + len(second)
+
+
+def test_aggregated_spec_runs_two_decode_replicas(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
+    """prefill.nodes 0: no prefill component; two decode nodes, one replica each, both listed for the router."""
+    spec = write_spec(tmp_path, tiny_tokenizer, "agg", prefill={"nodes": 0}, decode={"nodes": 2, "replicas": 2})
+    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", cwd=tmp_path)
+    (run,) = run_dirs(tmp_path, "agg")
+    state = run_state(run)
+    jobs.append(state["job_id"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "(2 components)" in res.stdout
+    assert set(state["nodes"]) == {"main", "decode"} and len(state["nodes"]["decode"]) == 2
+    entries = {e["name"] for e in json.loads((run / "discovery.json").read_text())}
+    assert entries == {"decode-0", "decode-1"}
+    df = read_requests(run / "metrics.h5")
+    assert len(df) > 0 and set(df["pod"].astype(str)) <= {"decode-0", "decode-1"}
