@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from llmd.errors import UserError
+from llmd.router.scheduling.kv_demand import InflightKV
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class RankState:
 
     inflight: int = 0
     inflight_tokens: int = 0
-    inflight_kv_tokens: int = 0  # prompt + requested output tokens of the requests in flight (KV admission)
+    # KV the requests in flight may occupy (shared prompt blocks once, plus outputs): KV admission.
+    kv: InflightKV = field(default_factory=InflightKV)
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0

@@ -54,6 +54,7 @@ from llmd.router.scheduling import (
     text_chunk_hashes,
 )
 from llmd.router.scheduling.filters import kv_fits
+from llmd.router.scheduling.kv_demand import request_kv
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ _SKIP_RESPONSE_HEADERS = frozenset(
 _FORWARD_REQUEST_HEADERS = ("X-Request-Id", "traceparent", "tracestate")
 _SSE_ERROR = b'data: {"error"'
 _CTX_KEY = web.RequestKey("llmd_ctx", object)
+_PROMPT_TOKENS = b'"prompt_tokens":'
 
 
 @dataclass
@@ -181,10 +183,10 @@ class _Flight:
     target: Pod
     rank: int
     uncached: int
-    kv_tokens: int = 0
+    kv: tuple[Sequence[int], int, int] = ((), 0, 0)  # InflightKV.add's (hashes, unit, extra) at the target
     prefill: Pod | None = None
     prefill_rank: int = 0
-    prefill_kv: int = 0
+    prefill_kv: tuple[Sequence[int], int, int] = ((), 0, 0)  # the same at the prefill pod (prompt only)
     released: bool = False
 
 
@@ -196,6 +198,7 @@ class _Prompt:
     num_tokens: int = 0
     text_hashes: Sequence[int] = ()
     fingerprint: str | None = None
+    chars: int = 0  # prompt characters when num_tokens is an estimate from them (approximate)
 
 
 @dataclass(slots=True)
@@ -217,6 +220,7 @@ class _Ctx:
     out: dict[str, str] | None = None
     first_byte: float = 0.0
     error: str = ""
+    text_chars: int = 0  # approximate: the prompt's characters, until the engine's prompt_tokens calibrate with them
 
 
 class Router:
@@ -262,6 +266,8 @@ class Router:
         self._models_cache: tuple[float, bytes] | None = None
         self._tok_pool: ThreadPoolExecutor | None = None
         self._encodes_pending = 0
+        # Approximate routing's characters per token: the tuning's guess, then learned from the engines' usage.
+        self._chars_per_token = float(self.scheduler.tuning.chars_per_token)
         self.recorder: RouterRecorder | None = None
         self.registry.on_up.append(self._pod_up)
         self.registry.on_down.append(self._pod_down)
@@ -346,7 +352,11 @@ class Router:
             self._endpoints_version = reg.version
         return self._endpoints
 
-    def _snapshot(self, excluded: set[str]) -> Snapshot:
+    def _snapshot(self, excluded: set[str], kv: tuple[Sequence[int], int, int] = ((), 0, 0)) -> Snapshot:
+        """Every routable endpoint's state; with `kv` (the request's InflightKV key), inflight_kv_tokens counts only
+        the KV in flight there that this request does not share (its prefix held once, however many requests hold
+        it), so kv_fits(state, request's whole need) is exact."""
+        hashes, unit, _ = kv
         states = {}
         for ep, pod, r in self._routable():
             if ep.pod in excluded:
@@ -359,7 +369,7 @@ class Router:
                 kv_usage=st.kv_usage,
                 inflight=st.inflight,
                 inflight_tokens=st.inflight_tokens,
-                inflight_kv_tokens=st.inflight_kv_tokens,
+                inflight_kv_tokens=st.kv.tokens - (st.kv.shared_tokens(hashes, unit) if unit else 0),
                 kv_capacity_blocks=st.kv_capacity_blocks,
                 cpu_capacity_blocks=st.cpu_capacity_blocks,
             )
@@ -585,7 +595,9 @@ class Router:
             max_tokens=_max_tokens(body),
         )
         self.metrics.prompt_tokens.inc(prompt.num_tokens)
-        return _Ctx(kind, request.path, raw, body, session, request_id, headers, rr)
+        ctx = _Ctx(kind, request.path, raw, body, session, request_id, headers, rr)
+        ctx.text_chars = prompt.chars
+        return ctx
 
     async def _prompt(self, kind: Kind, body: dict[str, Any], session: str | None, size: int) -> _Prompt:
         """Validate the prompt's shape (400 for what no engine could take) and compute the routing inputs."""
@@ -614,7 +626,8 @@ class Router:
                 if isinstance(source, list) and source and isinstance(source[0], int):
                     out.num_tokens = len(source)
                 else:
-                    out.num_tokens = math.ceil(len(text) / self.scheduler.tuning.chars_per_token)
+                    out.num_tokens = math.ceil(len(text) / self._chars_per_token)
+                    out.chars = len(text)
         if self.encoder is not None and self._needs_tokens:
             try:
                 enc = await self._encode(session, kind, source, body, size)
@@ -659,13 +672,20 @@ class Router:
 
     def _choose(self, ctx: _Ctx) -> _Flight | None:
         """The scheduling decision, taken only when its target has room (else None: wait)."""
-        snap = self._snapshot(ctx.excluded)
+        req = ctx.route_req
+        hashes = req.block_hashes or req.text_chunk_hashes
+        if req.block_hashes:
+            unit = req.block_size
+        else:  # text chunks: the tokens a chunk of characters holds, as far as the router knows
+            unit = max(1, round(self.scheduler.tuning.chunk_chars / self._chars_per_token))
+        unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit)
+        kv = (hashes, unit, extra)
+        snap = self._snapshot(ctx.excluded, kv)
         if ctx.excluded and not any(ep.role != "prefill" for ep in snap.states):
             # Every other pod failed this request too; a pod that is still healthy may serve it plainly (the retry
             # carries no KV-transfer parameters), which beats answering with its error.
-            snap = self._snapshot(set())
+            snap = self._snapshot(set(), kv)
         room = self.admission.has_room
-        req = ctx.route_req
         need, bs = req.kv_tokens, req.block_size
         if not any(room(ep.holder) and kv_fits(st, need, bs) for ep, st in snap.states.items() if ep.role != "prefill"):
             if not any(ep.role != "prefill" for ep in snap.states):
@@ -680,31 +700,32 @@ class Router:
             return None
         self.scheduler.observe_routed(req, d, now)
         uncached = max(0, req.num_tokens - d.expected_hit_tokens)
-        flight = _Flight(d, target, d.target.dp_rank, uncached, need)
-        self._take(target, flight.rank, uncached, need)
+        flight = _Flight(d, target, d.target.dp_rank, uncached, kv)
+        self._take(target, flight.rank, uncached, kv)
         if d.pd is not None and not ctx.no_kv_transfer:
             pre = self.registry.get(d.pd.prefill.pod)
             if pre is not None:
                 flight.prefill = pre
                 flight.prefill_rank = d.pd.prefill.dp_rank
-                flight.prefill_kv = req.num_tokens
+                # The prefill pod holds the prompt (and one token) until the decode pod pulls it.
+                flight.prefill_kv = (hashes, unit, extra - req.max_tokens + 1)
                 # Counted, not gated: a prefill hop is short and its pod's queue is what the decider weighed.
-                self._take(pre, flight.prefill_rank, d.pd.uncached_tokens, req.num_tokens)
+                self._take(pre, flight.prefill_rank, d.pd.uncached_tokens, flight.prefill_kv)
         self.metrics.decision(self.config.policy, d.reason, d.expected_hit_tokens)
         return flight
 
-    def _take(self, pod: Pod, rank: int, tokens: int, kv_tokens: int) -> None:
+    def _take(self, pod: Pod, rank: int, tokens: int, kv: tuple[Sequence[int], int, int]) -> None:
         st = pod.ranks[rank]
         st.inflight += 1
         st.inflight_tokens += tokens
-        st.inflight_kv_tokens += kv_tokens
+        st.kv.add(*kv)
         self.admission.take((pod.name, rank))
 
-    def _give(self, pod: Pod, rank: int, tokens: int, kv_tokens: int) -> None:
+    def _give(self, pod: Pod, rank: int, tokens: int, kv: tuple[Sequence[int], int, int]) -> None:
         st = pod.ranks[rank]
         st.inflight = max(0, st.inflight - 1)
         st.inflight_tokens = max(0, st.inflight_tokens - tokens)
-        st.inflight_kv_tokens = max(0, st.inflight_kv_tokens - kv_tokens)
+        st.kv.remove(*kv)
         self.admission.release((pod.name, rank))
 
     def _release(self, flight: _Flight) -> None:
@@ -712,7 +733,7 @@ class Router:
             return
         flight.released = True
         self._release_prefill(flight)
-        self._give(flight.target, flight.rank, flight.uncached, flight.kv_tokens)
+        self._give(flight.target, flight.rank, flight.uncached, flight.kv)
 
     def _release_prefill(self, flight: _Flight) -> None:
         pre = flight.prefill
@@ -845,6 +866,8 @@ class Router:
                 dt = time.monotonic() - t0
                 self.metrics.first_byte_time.observe(dt)
                 out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
+                if ctx.text_chars and status == 200:
+                    self._calibrate(ctx, data)
                 resp = web.Response(body=data, status=status, headers=self._response_headers(up, out_headers))
                 if status >= 500:
                     raise _Retry(f"status_{status}", pod.name, pod_down=False, last=resp)
@@ -868,12 +891,16 @@ class Router:
             resp = web.StreamResponse(status=200, headers=self._response_headers(up, out_headers))
             await resp.prepare(request)
             await resp.write(first)
+            if ctx.text_chars:
+                self._calibrate(ctx, first)
             try:
                 while True:
                     chunk = await up.content.readany()
                     if not chunk:
                         break
                     await resp.write(chunk)
+                    if ctx.text_chars:
+                        self._calibrate(ctx, chunk)
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
                 log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
@@ -893,6 +920,27 @@ class Router:
                 up.release()
             else:
                 up.close()
+
+    def _calibrate(self, ctx: _Ctx, data: bytes) -> None:
+        """Approximate routing estimates prompt tokens from characters (P/D threshold, KV admission); the engine's
+        usage.prompt_tokens in the response says how many there were: a moving average of the ratio keeps the
+        estimate near the model's tokenizer without tokenizing anything."""
+        i = data.rfind(_PROMPT_TOKENS)
+        if i < 0:
+            return
+        j = i + len(_PROMPT_TOKENS)
+        while j < len(data) and data[j] == 0x20:
+            j += 1
+        k = j
+        while k < len(data) and 0x30 <= data[k] <= 0x39:
+            k += 1
+        if k == j:
+            return
+        n = int(data[j:k])
+        if n > 0:
+            self._chars_per_token += 0.2 * (ctx.text_chars / n - self._chars_per_token)
+            self._chars_per_token = min(16.0, max(0.5, self._chars_per_token))
+        ctx.text_chars = 0  # once per request
 
     @staticmethod
     def _response_headers(up: aiohttp.ClientResponse, extra: dict[str, str]) -> dict[str, str]:

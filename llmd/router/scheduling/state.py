@@ -59,7 +59,8 @@ class EndpointState:
     router-side ones (inflight, inflight_tokens) from the proxy's own bookkeeping, so they are never stale.
 
     inflight_tokens: uncached prompt tokens of the requests in flight (prefill work sent there).
-    inflight_kv_tokens: KV the requests in flight there may need at most (prompt + requested output tokens).
+    inflight_kv_tokens: KV the requests in flight there may occupy at most (prompt blocks once however many share
+    them, plus requested outputs), less what the request being scheduled shares with them (kv_demand.InflightKV).
     kv_capacity_blocks / cpu_capacity_blocks: KV blocks in GPU / in the CPU tier (0: unknown / no CPU tier).
     """
 

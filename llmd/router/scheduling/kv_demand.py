@@ -1,0 +1,76 @@
+"""KV held by the requests the router has in flight at one endpoint, for KV admission (filters.kv_fits).
+
+Prompt blocks are counted once however many in-flight requests share them: prefix hashes are chained, so sub-agents
+forking one context, or every session's shared system prompt, hold the same leading blocks, and the engine holds them
+once. Each request adds its partial last block and its whole requested output. Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class InflightKV:
+    """`add` when a request is sent to the endpoint, `remove` with the same arguments when it ends; `tokens` is the
+    KV those requests can occupy at most."""
+
+    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens")
+
+    def __init__(self) -> None:
+        self._refs: dict[int, tuple[int, int]] = {}  # hash -> (requests holding it, its tokens when first added)
+        self._shared_tokens = 0  # distinct prompt units in flight, in tokens
+        self._extra_tokens = 0  # partial blocks and outputs
+
+    @property
+    def tokens(self) -> int:
+        return self._shared_tokens + self._extra_tokens
+
+    def add(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
+        refs = self._refs
+        for h in hashes:
+            held = refs.get(h)
+            if held is None:
+                self._shared_tokens += unit_tokens
+                refs[h] = (1, unit_tokens)
+            else:
+                refs[h] = (held[0] + 1, held[1])
+        self._extra_tokens += extra_tokens
+
+    def shared_tokens(self, hashes: Sequence[int], unit_tokens: int) -> int:
+        """Tokens of `hashes`' leading units already held by requests in flight here. Chained hashes make holding
+        prefix-closed (a request holding unit k holds units 0..k-1), so a binary search finds the shared prefix."""
+        refs = self._refs
+        if not refs or not hashes or hashes[0] not in refs:
+            return 0
+        lo, hi = 1, len(hashes)  # hashes[:lo] are held; find the largest such lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in refs:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * unit_tokens
+
+    def remove(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
+        """Undo one `add` with the same arguments (a unit's tokens are the ones it was first added with)."""
+        refs = self._refs
+        for h in hashes:
+            held = refs.get(h)
+            if held is None:
+                continue
+            if held[0] <= 1:
+                del refs[h]
+                self._shared_tokens = max(0, self._shared_tokens - held[1])
+            else:
+                refs[h] = (held[0] - 1, held[1])
+        self._extra_tokens = max(0, self._extra_tokens - extra_tokens)
+
+
+def request_kv(hashes: Sequence[int], num_tokens: int, max_tokens: int, unit: int = 0) -> tuple[int, int]:
+    """(tokens per hashed unit, tokens beyond the hashed units) of one request: its prompt's full blocks (`unit` =
+    the block size) or text chunks (`unit` 0: the prompt's tokens spread over them) are `hashes`; the rest of the
+    prompt and its whole output are extra."""
+    if not hashes or num_tokens <= 0:
+        return 0, max(0, num_tokens) + max_tokens
+    unit = unit or max(1, num_tokens // len(hashes))
+    return unit, max(0, num_tokens - unit * len(hashes)) + max_tokens
