@@ -61,8 +61,9 @@ def render_submitit(plan: JobPlan, command: list[str] | None = None) -> str:
         command or submitit_command(plan),
         origin="Written by `llmd launch` (submitit); `llmd status RUN` follows it.",
         main_env=["export SUBMITIT_EXECUTOR=slurm"],
-        # submitit checkpoints and requeues on this signal (preemption, time limit).
-        extra_global=[f"#SBATCH --signal={SUBMITIT_SIGNAL}@90"],
+        # submitit checkpoints and requeues on this signal (preemption, time limit): only when requeue is wanted,
+        # or a run that hits its time limit would come back on its own.
+        extra_global=[f"#SBATCH --signal={SUBMITIT_SIGNAL}@90"] if plan.spec.slurm.requeue else [],
     )
 
 

@@ -137,7 +137,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         run_dir, job_id=job_id, phase="submitted", logs={"batch": str(run_dir / "logs" / f"batch-{job_id}.out")}
     )
     print(f"llmd launch: submitted job {job_id} ({len(plan.components)} components); run folder {run_dir}")
-    print(f"  follow: llmd status {run_dir}    cancel: llmd cancel {run_dir}")
+    print(f"  logs: {run_dir / 'logs'}/ (batch-{job_id}.out, main.log, router.log, bench-N.log, <role>-<node>.log)")
+    print(f"  status: llmd status {run_dir}    cancel: llmd cancel {run_dir}")
     if args.no_follow:
         return 0
     try:

@@ -71,8 +71,7 @@ def test_het_job_has_one_component_per_role_with_its_resources(tmp_path: Path) -
     assert re.search(r"srun --het-group=1 --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 ", script)
     assert re.search(r"srun --het-group=2 --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 ", script)
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_2"' in script
-    assert f"#SBATCH --signal={SUBMITIT_SIGNAL}@90" in script
-    assert "--requeue" not in script and "--container-image" not in script
+    assert "--requeue" not in script and "--signal" not in script and "--container-image" not in script
 
 
 def test_no_gpus_no_prefill_requeue_and_container(tmp_path: Path) -> None:
@@ -80,7 +79,7 @@ def test_no_gpus_no_prefill_requeue_and_container(tmp_path: Path) -> None:
     script = render_submitit(plan_job(spec, tmp_path / "run", tmp_path, gpus=False))
     blocks = _blocks(script)
     assert len(blocks) == 2, "prefill.nodes 0: no prefill component"
-    assert "#SBATCH --requeue" in blocks[0]
+    assert "#SBATCH --requeue" in blocks[0] and f"#SBATCH --signal={SUBMITIT_SIGNAL}@90" in blocks[0]
     assert not any("gpus-per-node" in ln for b in blocks for ln in b)
     assert "--het-group=1" in script and "--role decode" in script and "--role prefill" not in script
     srun_lines = [ln for ln in script.splitlines() if "srun --het-group" in ln]
