@@ -162,3 +162,26 @@ def test_engine_sim_cli_writes_its_series_until_sigterm(model_dir: Path, tmp_pat
     ts = read_timeseries(out)
     assert len(ts) >= 2 and set(ts["source"]) == {"solo"}
     assert read_meta(out)["producer"] == "solo"
+
+
+def test_llmd_merge_turns_a_run_folder_into_one_run_file(tmp_path, capsys) -> None:
+    from llmd.metrics import MetricsWriter
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with MetricsWriter(run_dir / "metrics.h5", "client", {"seed": 3}) as w:  # what `llmd bench` leaves
+        w.append_requests([{"request_id": f"r{i}", "status": 200} for i in range(3)])
+    with MetricsWriter(run_dir / "router.h5", "router") as w:
+        w.append_requests([{"request_id": f"r{i}", "status": 200} for i in range(3)])
+    with MetricsWriter(run_dir / "engines.h5", "engines") as w:
+        w.append_timeseries([{"t": 0.0, "source": "decode-0", "preemptions": 0}])
+    assert main(["merge", str(run_dir)]) == 0
+    assert "merged 3 files" in capsys.readouterr().out
+    df = read_requests(run_dir / "metrics.h5")
+    assert sorted(df.source) == ["client"] * 3 + ["router"] * 3
+    meta = read_meta(run_dir / "metrics.h5")
+    assert meta["producer"] == "merge" and meta["seed"] == 3 and set(meta["sources"]) == {"client", "router", "engines"}
+    assert len(read_requests(run_dir / "client.h5")) == 3  # the client's own file, kept
+    assert main(["merge", str(run_dir)]) == 2  # merged already: refused, nothing touched
+    assert "already a merged run file" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path / "nowhere")]) == 2

@@ -1,5 +1,9 @@
 """`llmd export RUN_DIR_OR_H5 [--out FILE]`: a run's metrics as an llm-d Benchmark Report v0.2 (YAML, or JSON for a
-.json --out), validated with the llmd_benchmark_report package before it is written."""
+.json --out), validated with the llmd_benchmark_report package before it is written.
+
+`llmd merge RUN_DIR [FILE.h5 ...]`: the per-process metrics files of one run (the client's metrics.h5 from `llmd
+bench`, the router's and engines' from their --metrics-out) merged into RUN_DIR/metrics.h5; the client's own file is
+kept as client.h5. Without FILEs: every other *.h5 in RUN_DIR."""
 
 from __future__ import annotations
 
@@ -22,6 +26,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="output file (.json: JSON, else YAML; default: benchmark_report.yaml next to each metrics.h5)",
     )
     p.set_defaults(func=run_export)
+    m = subparsers.add_parser(
+        "merge",
+        help="merge a run's per-process metrics files (client, router, engines) into RUN_DIR/metrics.h5",
+        description=__doc__,
+    )
+    m.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run folder (where `llmd bench` wrote metrics.h5)")
+    m.add_argument("files", metavar="FILE.h5", type=Path, nargs="*", help="files to merge (default: every *.h5 there)")
+    m.set_defaults(func=run_merge)
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from llmd.metrics import merge_runs, read_meta
+
+    run_dir: Path = args.run_dir
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder; give the run folder that holds the metrics files")
+    target = run_dir / "metrics.h5"
+    client = run_dir / "client.h5"
+    if target.exists():
+        try:
+            producer = read_meta(target).get("producer")
+        except OSError as exc:
+            raise UserError(f"cannot read {target}: {exc}") from exc
+        if producer == "merge":
+            raise UserError(f"{target} is already a merged run file; merge the per-process files into another run")
+        if client.exists():
+            raise UserError(f"{client} exists beside {target}; move one of them away first")
+        target.rename(client)  # the client's rows stay on disk as they were
+    if args.files:  # the client's metrics.h5, if named, is client.h5 now
+        files = [client if f.resolve() == target.resolve() else f for f in args.files]
+    else:
+        files = sorted(f for f in run_dir.glob("*.h5") if f.name != "metrics.h5")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"no such metrics file: {', '.join(missing)}")
+    if not files:
+        raise UserError(f"{run_dir} holds no metrics files (*.h5) to merge")
+    try:
+        merge_runs(files, target)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot merge into {target}: {exc}") from exc
+    print(f"merged {len(files)} files ({', '.join(f.name for f in files)}) into {target}")
+    return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
