@@ -92,7 +92,11 @@ def _load_spec(args: argparse.Namespace) -> Any:
                 "kv": spec.kv.model_copy(update=DEMO_KV),
             }
         )
-    if spec.engine.kind != "sim":
+    if (getattr(args, "engine", None) or spec.engine.kind) == "vllm":
+        from llmd.engines.vllm_deploy import demo_spec  # real vLLM CPU servers: 1 prefill + 1 decode when embedded
+
+        spec = demo_spec(spec, embedded=not args.spec)
+    elif spec.engine.kind != "sim":
         raise UserError(f"`llmd demo` runs simulated engines; the spec says engine.kind {spec.engine.kind!r}")
     workload = spec.workload.model_dump()
     if args.short:
@@ -222,8 +226,15 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
     )
     stop = asyncio.Event()
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    async with SimEngineGroup(_engine_configs(spec, model_dir)) as group, _engine_series(group, parts, meta):
-        async with Router(rcfg, [_pod_of(s) for s in group.servers]) as router:
+    vllm = spec.engine.kind == "vllm"
+    if vllm:  # real vLLM CPU servers (llmd.engines.vllm_deploy); their own series are their /metrics
+        from llmd.engines.vllm_deploy import VllmDeployment
+
+        engines: Any = VllmDeployment(spec, run.out_dir / "engines")
+    else:
+        engines = SimEngineGroup(_engine_configs(spec, model_dir))
+    async with engines as group, contextlib.nullcontext() if vllm else _engine_series(group, parts, meta):
+        async with Router(rcfg, group.pods if vllm else [_pod_of(s) for s in group.servers]) as router:
             await _until_ready(router, len(group))
             cfg = LoadConfig(
                 url=router.url,
@@ -371,4 +382,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true", help="run under precise, approximate and round-robin")
     p.add_argument("--output", default="results", help="results folder (default results/)")
     p.add_argument("--short", action="store_true", help="a few seconds of the smoke profile (CI)")
+    p.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        help="simulated engines, or real vLLM CPU servers (the embedded deployment: 1 prefill + 1 decode over NIXL, "
+        "~2 min of start-up); default: the spec's engine.kind",
+    )
     p.set_defaults(func=run_demo)

@@ -115,3 +115,12 @@ def test_core_binds_split_the_cores() -> None:
     assert core_binds(3, [0, 1]) == ["0", "1", "0"]
     assert core_binds(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
     assert core_binds(1, [4, 5]) == ["4,5"]
+
+
+def test_pods_of_data_parallel_replicas(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 2, "gpus_per_node": 2, "dp_size": 4})
+    per_rank = pods_of(spec, vllm_launches(spec, mode="per-rank"), "per-rank")
+    assert [(p.name, p.dp_size) for p in per_rank] == [(f"decode-0-rank{r}", 1) for r in range(4)]
+    assert len({p.kv_events_endpoint for p in per_rank}) == 4
+    head = [p for p in pods_of(spec, vllm_launches(spec), "head-headless") if p is not None]
+    assert [(p.name, p.dp_size) for p in head] == [("decode-0", 4)]

@@ -143,8 +143,10 @@ def pods_of(spec: DeploymentSpec, launches: Iterable[EngineLaunch], mode: Launch
             out.append(None)
             continue
         ep = eps[(launch.role, launch.replica)]
-        dp, first = len(launch.ranks), launch.ranks[0]
         per_rank = mode == "per-rank" and ep.dp_size > 1
+        # Per-rank: each server is one DP rank, a pod of its own. Head mode: the head's API server fronts every rank
+        # of the replica (headless nodes' too) and the router picks one with X-data-parallel-rank.
+        dp, first = (1, launch.ranks[0]) if per_rank else (ep.dp_size, 0)
         nixl = spec.disaggregated
         out.append(
             PodInfo(

@@ -1,0 +1,41 @@
+"""`llmd demo --engine vllm --short` end to end, as a user runs it from an empty folder: the tiny model is made with
+weights, a real vLLM prefill and decode server start with NIXL between them, the router runs P/D over them, and the
+HDF5 holds a row for every request the decode server saw."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllmutil import require_vllm
+
+from llmd.metrics import read_requests
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+DEMO_TIMEOUT_S = 540  # start-up (~1.5 min, more on a loaded machine), 5 s of load, the grace, the report
+
+
+def test_demo_on_real_vllm_servers(tmp_path: Path) -> None:
+    require_vllm()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    cmd = [sys.executable, "-m", "llmd.cli", "demo", "--engine", "vllm", "--short", "--output", "results"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert "1 prefill + 1 decode" in done.stdout, done.stdout
+    (h5,) = (tmp_path / "results").glob("*/metrics.h5")
+    rows = read_requests(h5)
+    client = rows[rows["source"] == "client"]
+    assert len(client) > 0, done.stdout
+    assert (client["status"] == 200).all(), client[["status", "error"]].to_string()
+    assert (client["output_tokens"] > 0).all()
+    # Real P/D: the router sent prompts through the prefill server and the decode server pulled their KV.
+    assert (client["pd_path"] == "pd").any(), client["pd_path"].value_counts().to_string()
+    # Every request the decode server answered is a row (its access log, less the deployment's warm-up request).
+    log = (h5.parent / "engines" / "decode-0.log").read_text(errors="replace")
+    served = len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP/1\.1" 200', log)) - 1
+    assert len(client) == served, (len(client), served)

@@ -1,0 +1,93 @@
+"""Real prefill/decode disaggregation: a vLLM prefill server and a decode server with NixlConnector on host memory
+(UCX over loopback), driven by the router's two-hop flow (llmd.router.pd), deployed by llmd.engines.vllm_deploy from
+a spec (which also sends the decode server the warm-up request a CPU decode server needs before its first KV pull)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from vllmutil import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    SERVED_NAME,
+    START_TIMEOUT_S,
+    metric,
+    metrics_text,
+    pod_named,
+    post,
+    post_async,
+    require_vllm,
+    router_config,
+    run_bounded,
+    until_ready,
+    words,
+)
+
+from llmd.engines.vllm_deploy import VllmDeployment, with_free_ports
+from llmd.router.proxy import Router
+from llmd.spec.model import DeploymentSpec
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+
+@pytest.fixture(scope="module")
+def pd(dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeployment]:
+    require_vllm()
+    spec = DeploymentSpec.model_validate(
+        {
+            "name": "vllm-pd",
+            "model": {
+                "path": str(dense_model),
+                "served_name": SERVED_NAME,
+                "block_size": BLOCK_SIZE,
+                "max_model_len": MAX_MODEL_LEN,
+            },
+            "prefill": {"nodes": 1, "max_num_seqs": 16},
+            "decode": {"nodes": 1, "max_num_seqs": 16},
+            "kv": {"gpu_blocks": 96},
+            "engine": {"kind": "vllm"},
+        }
+    )
+    with VllmDeployment(with_free_ports(spec), tmp_path_factory.mktemp("pd"), timeout_s=START_TIMEOUT_S) as dep:
+        yield dep
+
+
+def test_pd_two_hop_transfers_the_prompt_and_matches_a_single_server(pd: VllmDeployment) -> None:
+    """prefill-0 computes the prompt, decode-0 pulls its KV over NIXL: the decode engine counts the prompt as
+    external_kv_transfer and computes at most the last partial block; the text equals a plain run of the same request
+    on one server at temperature 0 (on decode-0 itself, under another cache_salt so that it caches nothing the P/D
+    request could hit)."""
+    prefill, decode = pod_named(pd, "prefill-0"), pod_named(pd, "decode-0")
+    prompt = "P/D check. " + words(random.Random(31337), 200)
+    req = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    status, single = post(decode.url + "/v1/completions", {**req, "cache_salt": "pd-single"})
+    assert status == 200, single
+    prompt_tokens = single["usage"]["prompt_tokens"]
+    assert prompt_tokens > 4 * BLOCK_SIZE
+    before = metrics_text(decode.url)
+
+    async def body() -> tuple[dict, Any]:
+        async with Router(router_config(pd, "precise"), [prefill, decode]) as router:
+            await until_ready(router, 2)
+            async with aiohttp.ClientSession() as http:
+                return await post_async(http, router.url + "/v1/completions", req, "pd-session")
+
+    headers, data = run_bounded(body())
+    after = metrics_text(decode.url)
+    assert headers.get("x-llmd-pd") == "ok", headers
+    assert headers["x-llmd-prefill-pod"] == "prefill-0" and headers["x-llmd-pod"] == "decode-0"
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    by_source = "vllm:prompt_tokens_by_source_total"
+    external, computed = delta(by_source, source="external_kv_transfer"), delta(by_source, source="local_compute")
+    assert external >= (prompt_tokens // BLOCK_SIZE) * BLOCK_SIZE - BLOCK_SIZE, (external, computed, prompt_tokens)
+    assert computed < BLOCK_SIZE, f"decode recomputed {computed} prompt tokens (external {external})"
+    assert delta("vllm:nixl_bytes_transferred_sum") > 0
+    assert data["choices"][0]["text"] == single["choices"][0]["text"]
