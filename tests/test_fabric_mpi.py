@@ -70,10 +70,11 @@ def check_matrix(path: Path, n: int, nbytes: int) -> np.ndarray:
     return m
 
 
-def test_nixl_pair_bandwidth_in_process() -> None:
+@pytest.mark.parametrize("progress_thread", [True, False])
+def test_nixl_pair_bandwidth_in_process(progress_thread: bool) -> None:
     from llmd.fabric.preflight import pair_bandwidth
 
-    gbps, errors = pair_bandwidth(4 << 20, 3)
+    gbps, errors = pair_bandwidth(4 << 20, 3, progress_thread=progress_thread)
     assert errors == [] and gbps > 0.05
 
 

@@ -12,13 +12,16 @@ measured from a node to itself).
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import socket
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +48,15 @@ class PreflightResult:
         return len(self.hostnames)
 
 
+def _nixl() -> tuple[Any, Any]:
+    """nixl_agent and nixl_agent_config, with NIXL's INFO chatter (on stdout) off unless NIXL_LOG_LEVEL asks for it."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl_agent, nixl_agent_config
+
+
 def link_name(role: str, src: int, dst: int, hostnames: Sequence[str]) -> str:
     return f"{role} rank {src} ({hostnames[src]}) -> rank {dst} ({hostnames[dst]})"
 
@@ -69,12 +81,18 @@ def _pattern(rank: int) -> int:
     return 1 + (rank * 37) % 251
 
 
-def _wait_xfer(agent, handle, timeout_s: float = XFER_TIMEOUT_S) -> str:
+def _wait_xfer(
+    agent, handle, timeout_s: float = XFER_TIMEOUT_S, peer_progress: Callable[[], object] | None = None
+) -> str:
     deadline = time.monotonic() + timeout_s
     state = agent.check_xfer_state(handle)
+    polls = 0
     while state == "PROC":
         if time.monotonic() > deadline:
             return "TIMEOUT"
+        polls += 1
+        if peer_progress is not None and polls % 64 == 0:
+            peer_progress()  # an in-process peer without a progress thread answers only when someone polls it
         # A very short sleep: the progress thread needs the core, but timing must stay close to the transfer's.
         time.sleep(0.00005)
         state = agent.check_xfer_state(handle)
@@ -83,8 +101,7 @@ def _wait_xfer(agent, handle, timeout_s: float = XFER_TIMEOUT_S) -> str:
 
 def run_preflight(comm: Comm, nbytes: int, iterations: int, role: str, hostname: str | None = None) -> PreflightResult:
     """Measure every ordered pair of ranks; every rank returns the same, complete result."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
+    nixl_agent, nixl_agent_config = _nixl()
     if nbytes < 1 or iterations < 1:
         raise ValueError("preflight needs nbytes >= 1 and iterations >= 1")
     hostname = hostname or socket.gethostname()
@@ -150,7 +167,15 @@ def _link_of(error: str) -> tuple[int, int]:
     return int(left.split(" rank ")[1].split()[0]), int(right.split("rank ")[1].split()[0])
 
 
-def _measure(agent, local, peer: tuple, nbytes: int, out: np.ndarray, iterations: int) -> str | None:
+def _measure(
+    agent,
+    local,
+    peer: tuple,
+    nbytes: int,
+    out: np.ndarray,
+    iterations: int,
+    peer_progress: Callable[[], object] | None = None,
+) -> str | None:
     peer_name, _, peer_base, _ = peer
     remote = agent.get_xfer_descs([(peer_base + nbytes, nbytes, 0)], "DRAM")
     handle = agent.initialize_xfer("WRITE", local, remote, peer_name, b"")
@@ -160,7 +185,7 @@ def _measure(agent, local, peer: tuple, nbytes: int, out: np.ndarray, iterations
             t0 = time.perf_counter()
             state = agent.transfer(handle)
             if state == "PROC":
-                state = _wait_xfer(agent, handle)
+                state = _wait_xfer(agent, handle, peer_progress=peer_progress)
             if state != "DONE":
                 return f"transfer {k + 2} ended in state {state}"
             if k >= 0:
@@ -170,13 +195,18 @@ def _measure(agent, local, peer: tuple, nbytes: int, out: np.ndarray, iterations
     return None
 
 
-def pair_bandwidth(nbytes: int, iterations: int) -> tuple[float, list[str]]:
+def pair_bandwidth(nbytes: int, iterations: int, progress_thread: bool = True) -> tuple[float, list[str]]:
     """GB/s of NIXL WRITEs between two agents in this process (host memory, UCX), median of `iterations`, with the
-    same transfer loop as the preflight; and errors (a failed transfer, bytes that did not arrive)."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    same transfer loop as the preflight; and errors (a failed transfer, bytes that did not arrive).
 
+    progress_thread=False: no UCX progress threads; the waiting thread drives both agents (one process can; ranks in
+    separate processes cannot, so the preflight keeps the threads). Each thread busy-polls, which on a small machine
+    takes cores away from the copy being measured.
+    """
+    nixl_agent, nixl_agent_config = _nixl()
     tag = uuid.uuid4().hex[:8]
-    agents = [nixl_agent(f"llmd-pair-{k}-{tag}", nixl_agent_config(backends=[BACKEND])) for k in (0, 1)]
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[BACKEND])
+    agents = [nixl_agent(f"llmd-pair-{k}-{tag}", config) for k in (0, 1)]
     bufs = [np.zeros(2 * nbytes, dtype=np.uint8) for _ in agents]
     bufs[0][:nbytes] = _pattern(0)
     regs = [a.register_memory([(b.ctypes.data, 2 * nbytes, 0, "")], "DRAM") for a, b in zip(agents, bufs, strict=True)]
@@ -185,7 +215,8 @@ def pair_bandwidth(nbytes: int, iterations: int) -> tuple[float, list[str]]:
         local = agents[0].get_xfer_descs([(bufs[0].ctypes.data, nbytes, 0)], "DRAM")
         times = np.full(iterations, np.nan)
         peer = (agents[1].name, None, bufs[1].ctypes.data, "")
-        err = _measure(agents[0], local, peer, nbytes, times, iterations)
+        progress = None if progress_thread else agents[1].get_new_notifs
+        err = _measure(agents[0], local, peer, nbytes, times, iterations, progress)
         errors = [err] if err else []
         if not err and not np.all(bufs[1][nbytes:] == _pattern(0)):
             errors.append("data arrived corrupted or incomplete")
