@@ -63,11 +63,12 @@ def order_nodes(gathered: Sequence[str], slurm_order: Sequence[str] | None) -> l
 def local_address(env: Mapping[str, str], single_host: bool) -> str:
     """The address this node's engines listen on and advertise.
 
-    LLMD_NODE_ADDRESS wins; under Slurm the node's NodeAddr (emulated nodes all say 127.0.0.1); when every rank
-    runs on this one host 127.0.0.1; else the address the hostname resolves to.
+    LLMD_NODE_ADDRESS (or LLMD_ENGINE_HOST) wins; under Slurm the node's NodeAddr (emulated nodes all say
+    127.0.0.1); when every rank runs on this one host 127.0.0.1; else the address the hostname resolves to.
     """
-    if env.get(ADDRESS_ENV):
-        return env[ADDRESS_ENV]
+    for name in (ADDRESS_ENV, "LLMD_ENGINE_HOST"):  # the second is what launchers' basic starter reads
+        if env.get(name):
+            return env[name]
     name = env.get("SLURMD_NODENAME")
     if name:
         match = re.search(r"\bNodeAddr=(\S+)", _scontrol(["show", "node", name]) or "")
