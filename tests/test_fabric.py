@@ -234,3 +234,19 @@ def test_discovery_refuses_a_broken_file_and_leaves_it(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not valid JSON"):
         publish(path, [{"name": "a", "url": "http://h:1"}])
     assert path.read_text() == "[{not json"
+
+
+def test_fabric_plan_cli_prints_every_node(capsys: pytest.CaptureFixture[str]) -> None:
+    from llmd.cli import main
+
+    assert (
+        main(
+            ["fabric", "plan", "--spec", str(GLM), "--role", "prefill", "--nodes", ",".join(f"g{k}" for k in range(20))]
+        )
+        == 0
+    )
+    doc = json.loads(capsys.readouterr().out)
+    assert [n["node"] for n in doc["nodes"]] == [f"g{k}" for k in range(20)]
+    assert doc["nodes"][5]["replica"] == 2 and doc["nodes"][5]["processes"][0]["argv"][2] == "llmd.engines.vllm"
+    assert main(["fabric", "plan", "--spec", str(GLM), "--role", "decode", "--nodes", "a,b"]) == 2
+    assert "needs 48 nodes" in capsys.readouterr().err
