@@ -171,6 +171,7 @@ def test_bench_cli_unreachable_url(model_dir: Path, tmp_path: Path, capsys: pyte
     with pytest.raises(UserError, match="not an http"):
         args.func(args)
     (tmp_path / "res" / "r1").mkdir(parents=True)
+    (tmp_path / "res" / "r1" / "metrics.h5").write_bytes(b"an earlier run")
     args = parser.parse_args(["bench", "--spec", str(spec), "--url", url, "--output", str(tmp_path / "res")])
     args.run = "r1"
     with pytest.raises(UserError, match="never overwritten"):

@@ -1,6 +1,11 @@
 """The router's own HDF5 (`llmd router --metrics-out FILE`): a row per routed request and, per second, the router's
 totals (source "router") and its view of each pod (source "router/<pod>"), in llmd.metrics' one schema.
 
+A request row as the router sees it: send_time = when the router received it, ttft_s = until the first response byte
+passed on, e2e_s = until the response ended, input_tokens = the router's own count (its tokenization; under the
+approximate policy an estimate from characters), expected_hit_tokens and route_reason from the scheduling decision,
+session from X-Session-Id or the body's `user` ("" when neither).
+
 Request rows are buffered on the event loop and written in one batch per second, so the request path pays for a
 dict, not for an HDF5 append.
 """

@@ -8,6 +8,9 @@ workload.profile "trace" with workload.trace_path) replays a JSONL trace: each s
 offset `t`, each turn is sent at its `t` or when the previous response is back if later, and a record's `parent`
 forks that session from its parent's context.
 
+The run folder may already hold the run's other producers' files (`llmd router --metrics-out DIR/<run>/router.h5`,
+`llmd engine sim --metrics-out DIR/<run>/engines.h5`); `llmd merge DIR/<run>` then makes them one metrics.h5.
+
 Ctrl-C stops cleanly: no new requests, in-flight ones recorded as aborted, the file closed with every row so far.
 """
 
@@ -114,8 +117,11 @@ def run_bench(args: argparse.Namespace) -> int:
     run_name = args.run or f"{spec.name}-bench-{stamp}"
     out_dir = Path(args.output or spec.output.dir) / run_name
     output = out_dir / "metrics.h5"
-    if out_dir.exists():
-        raise UserError(f"{out_dir} exists; results are never overwritten: pass another --run or --output")
+    # The run folder may exist already (the router and engines of the run write their --metrics-out files there);
+    # the client's own file never is overwritten.
+    for taken in (output, out_dir / "client.h5"):
+        if taken.exists():
+            raise UserError(f"{taken} exists; results are never overwritten: pass another --run or --output")
     wspec = spec.workload
     if trace_path is not None:
         # The replay's salt and seed come from a profile; its sessions from the trace.
@@ -154,7 +160,7 @@ def run_bench(args: argparse.Namespace) -> int:
         arrival_rate=getattr(args, "arrival_rate", None),
         trace=trace,
     )
-    out_dir.mkdir(parents=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_load(cfg))
     print_summary(summary, title=f"llmd bench {run_name} ({workload.profile.name} -> {args.url})")
     return 0
