@@ -66,7 +66,10 @@ def test_het_job_runs_end_to_end_into_hdf5(tmp_path: Path, tiny_tokenizer: Path,
     assert status.returncode == 0 and "COMPLETED" in status.stdout and str(run / "metrics.h5") in status.stdout
 
 
-def test_killed_engine_tears_the_job_down_and_says_why(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
+@pytest.mark.parametrize("how", ["kill-engine", "scancel-component"])
+def test_dead_component_tears_the_job_down_and_says_why(
+    tmp_path: Path, tiny_tokenizer: Path, jobs: list[str], how: str
+) -> None:
     spec = write_spec(tmp_path, tiny_tokenizer, "kill", workload={**LONG, "duration_s": 120}, engine={"time_scale": 1})
     res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--no-follow", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -75,12 +78,19 @@ def test_killed_engine_tears_the_job_down_and_says_why(tmp_path: Path, tiny_toke
     jobs.append(job_id)
     wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
     pids = {p.stem: int(p.read_text()) for p in (run / "engines").glob("*.pid")}
-    os.kill(pids["decode-0"], signal.SIGKILL)
+    if how == "kill-engine":
+        os.kill(pids["decode-0"], signal.SIGKILL)
+        said = "decode-0: engine exited with code -9"
+    else:  # cancel the decode component alone (het component 2), not the job
+        subprocess.run(["scancel", f"{job_id}+2"], check=True, timeout=30)
+        said = "CANCELLED"
     wait_for(lambda: not job_active(job_id), 60, "the whole job to end")
     status = llmd("status", str(run), cwd=tmp_path)
     assert "state:    FAILED" in status.stdout, status.stdout
-    assert "decode component exited" in status.stdout and "decode-0: engine exited with code -9" in status.stdout
-    assert set(_sacct(job_id).values()) == {"FAILED"}
+    assert "decode component exited" in status.stdout and said in status.stdout, status.stdout
+    components = _sacct(job_id)
+    assert components[f"{job_id}+0"] == "FAILED"  # the main job's verdict
+    assert {st.split()[0] for st in components.values()} <= {"FAILED", "CANCELLED"}
     assert not _alive(pids["prefill-0"]), "the prefill engine outlived the job"
     # the rows recorded before the failure are kept
     state = run_state(run)
