@@ -179,3 +179,12 @@ def test_aggregated_spec_runs_two_decode_replicas(tmp_path: Path, tiny_tokenizer
     assert entries == {"decode-0", "decode-1"}
     df = read_requests(run / "metrics.h5")
     assert len(df) > 0 and set(df["pod"].astype(str)) <= {"decode-0", "decode-1"}
+
+
+def test_sbatch_refusal_is_a_user_error(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    spec = write_spec(tmp_path, tiny_tokenizer, "refused", slurm={"partition": "no-such-partition"})
+    res = llmd("launch", str(spec), "--starter", "basic", cwd=tmp_path)
+    assert res.returncode == 2 and "llmd: error: sbatch refused the job" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    (run,) = run_dirs(tmp_path, "refused")
+    assert run_state(run)["state"] == "FAILED" and "partition" in run_state(run)["cause"]
