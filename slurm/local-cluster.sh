@@ -10,6 +10,7 @@
 # /etc/slurm/slurm.conf is written so plain sbatch/squeue and submitit find the cluster. Idempotent: a second start
 # only starts what is not running.
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin" # the daemons live in sbin, which a non-login shell may not have
 
 DIR=${LLMD_SLURM_DIR:-/var/tmp/llmd-slurm}
 NODES=(node1 node2 node3 node4)
