@@ -2,7 +2,7 @@
 against the engines' own prefix-cache counters.
 
 One deployment for the module (llmd.engines.vllm_deploy, the spec's own launches): 2 decode-only engines of the tiny
-model with 96 KV blocks of 32 tokens each (`--num-gpu-blocks-override`), so capacity matters. No NIXL here (P/D is
+model with 80 KV blocks of 32 tokens each (`--num-gpu-blocks-override`), so capacity matters. No NIXL here (P/D is
 test_pd.py): a NixlConnector server's UCX progress thread spins a core's worth of CPU even when idle.
 """
 
@@ -46,7 +46,7 @@ from llmd.spec.model import DeploymentSpec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
-GPU_BLOCKS = 96
+GPU_BLOCKS = 80  # a pod's share of the sessions (4 x ~15 blocks) fits, all of them (7 x 15) do not
 
 
 def _spec(model: Path) -> DeploymentSpec:
@@ -182,7 +182,7 @@ def test_router_hashes_equal_the_engines_events(stack: VllmDeployment) -> None:
 
 # ---- 2. prefix-aware routing against the engines' own counters -------------------------------------------------------
 
-N_SESSIONS = 8
+N_SESSIONS = 7  # odd: round-robin then sends each session's consecutive turns to different pods
 WARM_TURNS = 2  # sent straight to the engines, as another router replica would have placed them
 ROUTED_TURNS = 3
 
@@ -208,7 +208,7 @@ def _routing_run(dep: VllmDeployment, policy: str) -> dict[str, Any]:
     _reset_caches(decode)
     salt = f"routing-{policy}"  # a cache namespace per run: no run profits from another's blocks
     sessions = [session_turns(2000 + s, WARM_TURNS + ROUTED_TURNS) for s in range(N_SESSIONS)]
-    home = {s: decode[s * len(decode) // N_SESSIONS].name for s in range(N_SESSIONS)}  # 0-3 on decode-0, 4-7 on 1
+    home = {s: decode[s * len(decode) // N_SESSIONS].name for s in range(N_SESSIONS)}  # 0-3 on decode-0, 4-6 on 1
     for t in range(WARM_TURNS):
         for s in range(N_SESSIONS):
             url = pod_named(dep, home[s]).url + "/v1/chat/completions"
@@ -260,10 +260,16 @@ def test_precise_routing_sticks_to_the_holder_and_the_engines_confirm_the_hits(
 
 def test_approximate_and_round_robin_hit_less_on_the_same_sessions(routing: dict[str, dict[str, Any]]) -> None:
     """The approximate scorer knows only what its own router process sent where, so sessions another replica placed
-    land by load (about half on the wrong pod); round-robin alternates every turn, and with 96 blocks per pod the
-    engines evict what the other pod's turns no longer touch. Margins: precise measured ~0.8, approximate ~0.65 and
-    round-robin ~0.45 of prompt tokens from cache; each must lose at least 5 points to precise."""
+    land by load and no-hit spreading: some on the pod that does not hold them, which recomputes their whole context
+    once. Round-robin sends each session's consecutive turns to different pods (7 sessions, an odd number), and with
+    80 blocks per pod the engines evict much of what the other pod's turns would have reused.
+    Measured here, the same on every run (sequential requests, deterministic tie-breaks): precise 0.781,
+    approximate 0.696 (3 of 7 sessions first routed away from their holder), round-robin 0.143 of prompt tokens from
+    cache. Margins: approximate at least 5 points below precise, round-robin at least 30."""
     shares = {p: round(r["share"], 3) for p, r in routing.items()}
-    print(f"prefix-cache hit share of the routed turns: {shares}")  # the figures behind the margins (-rP shows them)
+    approx = routing["approximate"]
+    moved = sum(approx["placed"][s][0] != approx["home"][s] for s in approx["placed"])
+    print(f"prefix-cache hit share of the routed turns: {shares}; approximate moved {moved} sessions")
+    assert moved > 0, approx["placed"]
     assert shares["approximate"] <= shares["precise"] - 0.05, shares
-    assert shares["round-robin"] <= shares["precise"] - 0.05, shares
+    assert shares["round-robin"] <= shares["precise"] - 0.30, shares
