@@ -51,6 +51,11 @@ from llmd.workload.sessions import SessionPlan, Turn, plan_session
 from llmd.workload.trace import TraceSession
 
 ABORTED = "aborted"
+# Byte patterns of streamed events (vLLM serializes without spaces); anything else is parsed as JSON.
+_USAGE = b'"usage":{'
+_ERROR = b'"error"'
+_CONTENT, _NO_CONTENT = b'"content":"', b'"content":""'
+_REASONING, _NO_REASONING = b'"reasoning_content":"', b'"reasoning_content":""'
 
 
 @dataclass
@@ -506,6 +511,12 @@ class _Run:
             if data == b"[DONE]":
                 done = True
                 break
+            if _USAGE not in data and _ERROR not in data:
+                # A plain delta event (vLLM's compact JSON): a token arrived when it carries non-empty content. Read
+                # from the bytes: parsing every event was a quarter of the client's CPU per request.
+                if (_CONTENT in data and _NO_CONTENT not in data) or (_REASONING in data and _NO_REASONING not in data):
+                    arrivals.append(time.perf_counter())
+                continue
             event = json.loads(data)
             if "error" in event:
                 row["error"] = f"stream error: {_error_text(event['error'])}"
