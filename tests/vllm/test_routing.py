@@ -222,12 +222,15 @@ def _routing_run(dep: VllmDeployment, policy: str) -> dict[str, Any]:
         async with Router(router_config(dep, policy), decode) as router:
             await until_ready(router, 2)
             if policy == "precise":
-                # The warm turns' events came before the router existed: its subscriber replays them.
-                want = router.encoder.encode_route(None, "chat", sessions[-1][WARM_TURNS - 1], {"cache_salt": salt})
-                deadline = time.monotonic() + 15
-                while not router.index.query(list(want.block_hashes)):
-                    assert time.monotonic() < deadline, "the router never learnt the warm turns' blocks"
-                    await asyncio.sleep(0.1)
+                # The warm turns' events came before the router existed: its subscriber replays them, one stream per
+                # pod. Routing starts once the index holds every session's last warm prompt at its home pod.
+                for s in range(N_SESSIONS):
+                    want = router.encoder.encode_route(None, "chat", sessions[s][WARM_TURNS - 1], {"cache_salt": salt})
+                    hashes, holder = list(want.block_hashes), (home[s], 0)
+                    deadline = time.monotonic() + 20
+                    while {m.holder: m.blocks_any for m in router.index.query(hashes)}.get(holder) != len(hashes):
+                        assert time.monotonic() < deadline, f"the router never learnt session {s}'s warm blocks"
+                        await asyncio.sleep(0.1)
             h0 = _hit_counters(decode)
             async with aiohttp.ClientSession() as http:
                 for t in range(WARM_TURNS, WARM_TURNS + ROUTED_TURNS):
