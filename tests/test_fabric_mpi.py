@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,8 +35,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
 
 
+def pool_port(replicas: int, dp: int = 1) -> int:
+    """A base port whose layout bands (HTTP, KV events, side channel, replay: +0/1000/2000/3000) are all free."""
+    for _ in range(100):
+        base = free_ports(replicas)
+        if base + 3000 + replicas * dp < 65536 and all(
+            _free(base + band + k) for band in (1000, 2000, 3000) for k in range(replicas * dp)
+        ):
+            return base
+    raise RuntimeError("no free port layout")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def write_spec(path: Path, model_dir: Path, nodes: int, replicas: int, dp: int = 1) -> Path:
-    port = free_ports(replicas)
+    port = pool_port(replicas, dp)
     path.write_text(
         f"name: fabric-test\nmodel:\n  path: {model_dir}\n  served_name: tiny\n  max_model_len: 512\n"
         "prefill:\n  nodes: 0\n"
@@ -120,6 +141,19 @@ def _complete(url: str) -> dict:
         return json.loads(resp.read())
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`: an engine and every child it spawned."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -132,37 +166,46 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve_and_stop(cmd: list[str], run_dir: Path, replicas: int, stderr_path: Path, kill_engine: bool = False) -> str:
-    """Start, wait for every replica in discovery, ask each one, then SIGTERM the task (exit 0) or SIGKILL its engine
-    (the task exits 128 + 9); check nothing is left running; returns the task's stderr."""
+def _serve_and_stop(cmd: list[str], run_dir: Path, replicas: int, stderr_path: Path, stop: str = "sigterm") -> str:
+    """Start, wait for every replica in discovery, ask each one, then stop: "sigterm" the task (exit 0), "kill-engine"
+    (SIGKILL the engine: the task exits 128 + 9) or "kill-task" (SIGKILL the task: its engine must follow it); check
+    nothing is left running; returns the task's stderr."""
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stderr=err, start_new_session=True)
     try:
         disc = run_dir / "discovery.json"
-        _wait_for(lambda: len(_entries(disc)) == replicas, 180, "discovery entries", proc)
+        _wait_for(lambda: len(_entries(disc)) == replicas, 420, "discovery entries", proc)
         entries = _entries(disc)
         assert sorted(e["name"] for e in entries) == [f"decode-{r}" for r in range(replicas)]
         for e in entries:
             assert e["url"].startswith("http://127.0.0.1:")
-            assert _complete(e["url"])["choices"][0]["text"]
-        if kill_engine:
+            assert _complete(e["url"])["usage"]["completion_tokens"] >= 1
+        if stop == "kill-engine":
             pid = int(re.findall(r"started decode-0 \(pid (\d+)\)", stderr_path.read_text())[0])
             os.kill(pid, signal.SIGKILL)
             assert proc.wait(timeout=90) == 128 + signal.SIGKILL
+        elif stop == "kill-task":
+            proc.kill()
+            assert proc.wait(timeout=30) == -signal.SIGKILL
         else:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            # SIGTERM first: a task killed outright could not stop its engines (they would only get PDEATHSIG).
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     text = stderr_path.read_text()
     pids = [int(p) for p in re.findall(r"started decode-\d+ \(pid (\d+)\)", text)]
     assert len(pids) == replicas
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(_alive(p) or _group_members(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "an engine outlived the fabric task"
+    assert not any(_alive(p) or _group_members(p) for p in pids), "an engine (or its children) outlived the task"
     assert len(_entries(run_dir / "discovery.json")) == replicas, "nothing written is removed"
     return text
 
@@ -183,12 +226,19 @@ def test_singleton_without_a_launcher_is_one_node_and_dies_with_its_engine(tmp_p
     spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
     run_dir = tmp_path / "run"
     cmd = [*fabric_cmd(spec, run_dir), "--preflight-mib", "1", "--preflight-iterations", "1"]
-    text = _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt", kill_engine=True)
+    text = _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt", stop="kill-engine")
     assert text.splitlines()[-1].endswith("decode-0: engine exited with code -9"), "the cause comes last"
     log_lines = (run_dir / "logs" / "engines" / "decode-0.log").read_text().splitlines()
     assert log_lines and log_lines[-1] in text, "the engine's log tail is on stderr"
     with h5py.File(run_dir / "fabric-decode.h5") as f:
         assert f["fabric/decode/bandwidth_gbps"].shape == (1, 1)
+
+
+@pytest.mark.integration
+def test_engine_follows_a_task_killed_outright(tmp_path: Path, model_dir: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
+    run_dir = tmp_path / "run"
+    _serve_and_stop([*fabric_cmd(spec, run_dir), "--no-preflight"], run_dir, 1, tmp_path / "stderr.txt", "kill-task")
 
 
 @pytest.mark.integration
@@ -206,6 +256,29 @@ def test_preflight_cli_as_srun_tasks_without_pmi(tmp_path: Path) -> None:
     with h5py.File(tmp_path / "fabric-preflight.h5") as f:
         m = f["fabric/preflight/bandwidth_gbps"][()]
         assert m.shape == (2, 2) and m[0, 1] > 0 and m[1, 0] > 0
+
+
+@pytest.mark.vllm
+def test_singleton_starts_real_vllm_from_the_plan(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """engine.kind vllm: the plan's own command line (llmd.engines.vllm) serves, is announced, and stops cleanly."""
+    pytest.importorskip("vllm")
+    from llmd.models.tiny import make_tiny
+
+    model = make_tiny(tmp_path_factory.mktemp("models") / "tiny", weights=True)
+    port = pool_port(1)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: fabric-vllm\nmodel:\n  path: {model}\n  served_name: tiny\n  block_size: 32\n  max_model_len: 1024\n"
+        f"prefill:\n  nodes: 0\ndecode:\n  nodes: 1\n  port: {port}\n  max_num_seqs: 8\n"
+        '  extra_args: ["--enforce-eager", "--kv-cache-memory-bytes", "268435456"]\n'
+        "kv:\n  gpu_memory_fraction: 0.25\nengine:\n  kind: vllm\n  startup_timeout_s: 400\n"
+        '  env:\n    HF_HUB_OFFLINE: "1"\n'
+    )
+    run_dir = tmp_path / "run"
+    text = _serve_and_stop([*fabric_cmd(spec, run_dir), "--no-preflight"], run_dir, 1, tmp_path / "stderr.txt")
+    assert "signal SIGTERM: stopping the engines" in text
+    assert not (run_dir / "fabric-decode.h5").exists(), "--no-preflight measures nothing"
+    assert "vllm.entrypoints.openai.api_server" in (run_dir / "fabric-decode-plan.json").read_text()
 
 
 def _slurm_problem() -> str | None:

@@ -9,6 +9,7 @@ signal or an engine's death. Nothing in the supervision talks to MPI, so one nod
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from typing import Any
 from llmd.errors import UserError
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DEFAULT_MIB = 64
 DEFAULT_ITERATIONS = 5
 DEFAULT_MIN_GBPS = 1.0
@@ -168,11 +170,26 @@ def preflight(args: argparse.Namespace, comm: Any, spec_text: str, node: str) ->
         raise FabricError(f"fabric preflight failed: {problems[0]}{more}")
 
 
+def _die_with_parent() -> None:
+    # Runs in the child before exec: SIGTERM it when this task dies, even by SIGKILL (an OOM kill, mpiexec's
+    # clean-up, a Slurm proctrack that misses reparented processes), so no engine outlives its task.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
     log = log_dir / f"{proc.name}.log"
     with open(log, "ab") as fh:  # appended: a restarted node keeps the earlier attempt's log
         child = subprocess.Popen(
-            proc.argv, env=_child_env(proc.env), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            proc.argv,
+            env=_child_env(proc.env),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     return child, log
 
