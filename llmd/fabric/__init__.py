@@ -27,7 +27,9 @@ single process without a launcher (1 node). It
    waits for /health, then appends the node's entries to DIR/discovery.json (llmd.fabric.discovery: locked, atomic;
    the router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the task
    exit with the engine's status (128+signal if killed), its log tail on stderr and, as the last line,
-   `<name>: engine exited with code <rc>`, so `srun --kill-on-bad-exit` ends the job with a cause to report.
+   `<name>: engine exited with code <rc>`, so `srun --kill-on-bad-exit` ends the job with a cause to report (under
+   mpiexec only that rank ends: MPI is finalised by then, and hydra lets finalised ranks exit as they like). Engines
+   get PDEATHSIG: a task killed outright (SIGKILL, OOM) takes its engines with it.
    User mistakes (spec, node count) exit 2 with a message; every rank prints what it saw.
 
 MPI is only used before the engines start and is finalised by all ranks together; no rank ever waits in a blocking
