@@ -58,8 +58,8 @@ def pd(dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def test_pd_two_hop_transfers_the_prompt_and_matches_a_single_server(pd: VllmDeployment) -> None:
-    """prefill-0 computes the prompt, decode-0 pulls its KV over NIXL: the decode engine counts the prompt as
-    external_kv_transfer and computes at most the last partial block; the text equals a plain run of the same request
+    """prefill-0 computes the prompt, decode-0 pulls its KV over NIXL: the decode engine counts the whole prompt as
+    external_kv_transfer and computes none of it; the text equals a plain run of the same request
     on one server at temperature 0 (on decode-0 itself, under another cache_salt so that it caches nothing the P/D
     request could hit)."""
     prefill, decode = pod_named(pd, "prefill-0"), pod_named(pd, "decode-0")
@@ -87,7 +87,10 @@ def test_pd_two_hop_transfers_the_prompt_and_matches_a_single_server(pd: VllmDep
 
     by_source = "vllm:prompt_tokens_by_source_total"
     external, computed = delta(by_source, source="external_kv_transfer"), delta(by_source, source="local_compute")
-    assert external >= (prompt_tokens // BLOCK_SIZE) * BLOCK_SIZE - BLOCK_SIZE, (external, computed, prompt_tokens)
-    assert computed < BLOCK_SIZE, f"decode recomputed {computed} prompt tokens (external {external})"
-    assert delta("vllm:nixl_bytes_transferred_sum") > 0
+    nixl_bytes = delta("vllm:nixl_bytes_transferred_sum")
+    print(f"prompt {prompt_tokens} tokens: decode got {external:g} over NIXL ({nixl_bytes:g} B), computed {computed:g}")
+    # vLLM 0.32 books the whole prompt, partial last block included, as transferred (measured: 579 of 579 tokens).
+    assert external == prompt_tokens, (external, computed, prompt_tokens)
+    assert computed == 0, f"decode recomputed {computed} prompt tokens (external {external})"
+    assert nixl_bytes > 0
     assert data["choices"][0]["text"] == single["choices"][0]["text"]
