@@ -250,3 +250,18 @@ def test_fabric_plan_cli_prints_every_node(capsys: pytest.CaptureFixture[str]) -
     assert doc["nodes"][5]["replica"] == 2 and doc["nodes"][5]["processes"][0]["argv"][2] == "llmd.engines.vllm"
     assert main(["fabric", "plan", "--spec", str(GLM), "--role", "decode", "--nodes", "a,b"]) == 2
     assert "needs 48 nodes" in capsys.readouterr().err
+
+
+def test_open_comm_without_mpi4py_is_a_world_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmd.fabric import comm as comm_mod
+
+    def no_mpi() -> None:
+        raise ImportError("No module named 'mpi4py'")
+
+    monkeypatch.setattr(comm_mod, "MpiComm", no_mpi)
+    alone = comm_mod.open_comm(tmp_path, "decode", env={})
+    assert (alone.kind, alone.rank, alone.size, alone.allgather("x")) == ("local", 0, 1, ["x"])
+    # Still part of a multi-task srun step: the file channel, whatever MPI says.
+    step = comm_mod.open_comm(tmp_path, "decode", env={"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "9"})
+    assert (step.kind, step.rank, step.size) == ("file", 1, 2)
+    assert step.folder == tmp_path / ".fabric" / "decode-9.step.0"

@@ -1,8 +1,9 @@
 """The out-of-band channel between the tasks of one engine component: rank, size, allgather and a barrier.
 
-MPI (mpi4py) when a launcher gave us a world (`mpiexec`, `srun --mpi=pmi2`), a singleton world without one. Under
-`srun` without a working PMI every task comes up as its own singleton; then the same calls go through files in the
-run directory on the shared filesystem (FileComm), with rank and size taken from SLURM_PROCID / SLURM_NTASKS.
+MPI (mpi4py) when a launcher gave us a world (`mpiexec`, `srun --mpi=pmi2`), a singleton world without one (a world
+of one without mpi4py, e.g. on the light install). Under `srun` without a working PMI every task comes up as its own
+singleton; then the same calls go through files in the run directory on the shared filesystem (FileComm), with rank
+and size taken from SLURM_PROCID / SLURM_NTASKS.
 
 No call ever blocks inside MPI: MPICH's blocking waits spin a core, which on small nodes starves the very transfers
 the preflight measures. Every wait is Ibarrier() + Test() + a short sleep.
@@ -109,6 +110,20 @@ class FileComm:
         self.allgather(None, timeout_s)
 
 
+class LocalComm:
+    """A world of one, for a single process when mpi4py is not installed (the light install)."""
+
+    kind = "local"
+    rank = 0
+    size = 1
+
+    def barrier(self, timeout_s: float = 600.0) -> None:
+        return None
+
+    def allgather(self, obj: Any, timeout_s: float = 600.0) -> list[Any]:
+        return [obj]
+
+
 def _slurm_int(env: dict[str, str], *names: str) -> int | None:
     for name in names:
         value = env.get(name, "")
@@ -129,7 +144,11 @@ def slurm_world(env: dict[str, str]) -> tuple[int, int] | None:
 def open_comm(run_dir: Path, tag: str, env: dict[str, str] | None = None) -> Comm:
     """MPI's world, unless it is a singleton inside a multi-task srun step: then the shared-filesystem channel."""
     env = dict(os.environ) if env is None else env
-    comm = MpiComm()
+    comm: MpiComm | LocalComm
+    try:
+        comm = MpiComm()
+    except ImportError:
+        comm = LocalComm()
     hint = slurm_world(env)
     if comm.size == 1 and hint is not None and hint[1] > 1:
         rank, size = hint
