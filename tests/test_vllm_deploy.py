@@ -3,7 +3,10 @@ bands and the checks made before minutes of start-up are spent. Real servers: te
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from llmd.engines.vllm_deploy import (
     pods_of,
     with_free_ports,
 )
+from llmd.engines.vllm_server import EngineStartError
 from llmd.errors import UserError
 from llmd.spec.model import DeploymentSpec
 
@@ -124,3 +128,51 @@ def test_pods_of_data_parallel_replicas(tmp_path: Path) -> None:
     assert len({p.kv_events_endpoint for p in per_rank}) == 4
     head = [p for p in pods_of(spec, vllm_launches(spec), "head-headless") if p is not None]
     assert [(p.name, p.dp_size) for p in head] == [("decode-0", 4)]
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    """An executable standing in for `python -m vllm...`: the deployment's process handling without vLLM."""
+    script = tmp_path / "fake-python"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_server_that_dies_fails_the_start_with_its_log(tmp_path: Path) -> None:
+    spec = with_free_ports(_spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 1}), seed=2)
+    python = _fake_python(tmp_path, 'echo "no such model: $3"; exit 3')
+    dep = VllmDeployment(spec, tmp_path / "logs", python=python, timeout_s=30)
+    with pytest.raises(EngineStartError, match=r"(?s)exited with code 3.*no such model"):
+        dep.start()
+    assert dep.processes == []
+
+
+def test_cancelled_start_up_stops_every_server(tmp_path: Path) -> None:
+    spec = with_free_ports(_spec(tmp_path), seed=3)
+    python = _fake_python(tmp_path, "exec sleep 60")  # never healthy
+    dep = VllmDeployment(spec, tmp_path / "logs", python=python, timeout_s=60)
+
+    async def body() -> list[int]:
+        task = asyncio.ensure_future(dep.__aenter__())
+        for _ in range(100):  # until all three are running
+            await asyncio.sleep(0.05)
+            if len(dep.processes) == 3:
+                break
+        pids = [p.proc.pid for p in dep.processes]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return pids
+
+    t0 = time.monotonic()
+    pids = asyncio.run(asyncio.wait_for(body(), 30))
+    assert len(pids) == 3 and time.monotonic() - t0 < 20
+    assert not any(_alive(pid) for pid in pids)

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +42,7 @@ from llmd.engines.vllm import (
     head_placeholder,
     vllm_launches,
 )
-from llmd.engines.vllm_server import log_tail, stop_process_group, wait_healthy
+from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.errors import UserError
 from llmd.router.endpoints import PodInfo
 from llmd.spec.layout import KV_EVENTS_OFFSET, REPLAY_OFFSET, SIDE_CHANNEL_OFFSET, EngineEndpoint, engine_endpoints
@@ -233,6 +234,9 @@ class VllmDeployment:
         self.timeout_s = timeout_s if timeout_s is not None else spec.engine.startup_timeout_s
         self.warmup = warmup
         self.processes: list[EngineProcess] = []
+        # stop() may run while start() is still launching (Ctrl-C during start-up): no process starts after it.
+        self._lock = threading.Lock()
+        self._stopping = False
 
     @property
     def pods(self) -> list[PodInfo]:
@@ -259,9 +263,10 @@ class VllmDeployment:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
+            # Stop first: the start-up thread then fails fast (its servers are gone) instead of waiting them out.
+            await asyncio.to_thread(self.stop)
             with contextlib.suppress(BaseException):
                 await task
-            await asyncio.to_thread(self.stop)
             raise
         return self
 
@@ -277,7 +282,9 @@ class VllmDeployment:
             for i, (launch, pod) in enumerate(zip(launches, pods_of(self.spec, launches, self.mode), strict=True)):
                 name = pod.name if pod else f"{launch.role}-{launch.replica}-node{launch.node_index}"
                 log = self.workdir / f"{name}.log"
-                with open(log, "wb") as fh:
+                with self._lock, open(log, "wb") as fh:
+                    if self._stopping:
+                        raise UserError("the vLLM deployment was stopped during start-up")
                     proc = subprocess.Popen(
                         cpu_argv(launch, self.memory_fraction),
                         env=cpu_env(launch, self._bind(launch, binds[i])),
@@ -285,17 +292,24 @@ class VllmDeployment:
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # its own group: vLLM's engine-core and worker children stop with it
                     )
-                self.processes.append(EngineProcess(launch, proc, log, pod))
+                    self.processes.append(EngineProcess(launch, proc, log, pod))
             deadline = time.monotonic() + self.timeout_s
-            every = [p.proc for p in self.processes]
-            for p in self.processes:
+            started = list(self.processes)
+            every = [p.proc for p in started]
+            for p in started:
                 if p.pod is None:
                     continue
                 # All processes count: a headless node or a peer dying fails the start as much as this one.
                 left = max(1.0, deadline - time.monotonic())
-                wait_healthy(p.pod.url + "/health", every, left, p.log, name=f"vLLM {p.name}")
+                try:
+                    wait_healthy(p.pod.url + "/health", every, left, name=f"vLLM {p.name}")
+                except EngineStartError as exc:
+                    # The log's tail as it is now, of the process that died if one did.
+                    dead = next((q for q in started if q.proc.poll() is not None), p)
+                    what = str(exc) if dead is p else f"vLLM {dead.name} exited with code {dead.proc.returncode}"
+                    raise EngineStartError(f"{what}; log {dead.log}:\n{log_tail(dead.log)}") from None
             if self.warmup:
-                for p in self.processes:
+                for p in started:
                     if p.pod is not None:
                         self._warm_up(p)
         except BaseException:
@@ -329,14 +343,16 @@ class VllmDeployment:
 
     def stop(self) -> None:
         """SIGTERM every group at once (vLLM shuts down in parallel), then wait for each, SIGKILL past the grace."""
-        for p in self.processes:
+        with self._lock:
+            self._stopping = True
+            procs, self.processes = self.processes, []
+        for p in procs:
             if p.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.proc.pid, signal.SIGTERM)
-        for p in self.processes:
+        for p in procs:
             stop_process_group(p.proc)
             _reap_group(p.proc.pid)
-        self.processes = []
 
     def failed(self) -> list[str]:
         """Servers that exited while they should be running, with their log's tail."""
