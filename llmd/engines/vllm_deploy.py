@@ -225,6 +225,8 @@ class VllmDeployment:
         warmup: bool = True,
     ) -> None:
         check_cpu_spec(spec)
+        if python == sys.executable and not _vllm_installed():
+            raise UserError("vLLM is not installed here; run `make install-full` (or pip install -e '.[vllm]')")
         self.spec = spec
         self.workdir = Path(workdir)
         self.mode = mode
@@ -358,6 +360,17 @@ class VllmDeployment:
         """Servers that exited while they should be running, with their log's tail."""
         gone = [p for p in self.processes if p.proc.poll() is not None]
         return [f"{p.name} exited {p.proc.returncode}:\n{log_tail(p.log)}" for p in gone]
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")  # finds without importing (a submodule would import vllm: seconds)
+    except (ImportError, ValueError):
+        return False
+    # A regular package: tests/vllm, on sys.path under pytest, would pass for a namespace package called vllm.
+    return spec is not None and (spec.origin or "").endswith("__init__.py")
 
 
 def _reap_group(pgid: int, grace_s: float = 5.0) -> None:

@@ -28,11 +28,12 @@ START_TIMEOUT_S = 420.0  # three servers starting at once on a loaded 2-core mac
 
 
 def vllm_importable() -> bool:
-    # A submodule, not "vllm": tests/vllm itself would pass for a namespace package called vllm.
     try:
-        return importlib.util.find_spec("vllm.entrypoints.openai.api_server") is not None
+        spec = importlib.util.find_spec("vllm")  # finds without importing (a submodule would import vllm: seconds)
     except (ImportError, ValueError):
         return False
+    # A regular package: tests/vllm, on sys.path under pytest, would pass for a namespace package called vllm.
+    return spec is not None and (spec.origin or "").endswith("__init__.py")
 
 
 def require_vllm() -> None:
