@@ -20,6 +20,7 @@ from pathlib import Path
 from launchers.discovery import DISCOVERY_FILE, append_entry, entry_for
 from llmd.engines.vllm_server import EngineStartError, stop_process_group, wait_healthy
 from llmd.errors import UserError
+from llmd.metrics.run_files import engine_metrics_path
 from llmd.spec import load_spec
 from llmd.spec.layout import EngineEndpoint, engine_endpoints
 
@@ -76,7 +77,8 @@ def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
         return 0
     ep = next(e for e in engine_endpoints(spec, host=node_address()) if e.role == role and e.replica == replica)
     print(f"{role} node {node_index} ({node}): starting {ep.name} at {ep.url}", flush=True)
-    proc = subprocess.Popen(sim_command(spec_path, role, ep, node), start_new_session=True)
+    cmd = [*sim_command(spec_path, role, ep, node), "--metrics-out", str(engine_metrics_path(run_dir, ep.name))]
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         wait_healthy(f"{ep.url}/health", proc, spec.engine.startup_timeout_s, name=ep.name)
         (run_dir / "engines").mkdir(exist_ok=True)

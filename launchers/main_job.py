@@ -21,6 +21,7 @@ from typing import Any
 from launchers.discovery import DISCOVERY_FILE, read_entries
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.launch.runstate import is_final, read_state, update_state
+from llmd.metrics.run_files import run_inputs
 from llmd.spec import load_spec
 from llmd.spec.layout import engine_endpoints
 
@@ -61,9 +62,27 @@ def _rows(path: Path) -> int:
         from llmd.metrics.reader import open_metrics
 
         with open_metrics(path) as f:
-            return int(f["requests"].shape[0]) if "requests" in f else 0
+            if "requests" not in f:
+                return 0
+            if f.attrs.get("producer") != "merge":
+                return int(f["requests"].shape[0])
+        # A merged file also holds the router's row for each request: count the clients' rows only.
+        from llmd.metrics.reader import read_requests
+        from llmd.report.summary import client_rows
+
+        return len(client_rows(read_requests(path)))
     except (OSError, KeyError, ValueError):
         return 0  # being created, or a killed writer's file: counted once it is readable
+
+
+def _readable(path: Path) -> bool:
+    try:
+        from llmd.metrics.reader import open_metrics
+
+        with open_metrics(path):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def _parts(run_dir: Path) -> list[Path]:
@@ -74,12 +93,15 @@ def merge_parts(run_dir: Path) -> Path | None:
     """metrics.h5 = every attempt's rows; rebuilt beside and swapped in, so a failed merge never loses the old one."""
     from llmd.metrics.merge import merge_runs
 
-    parts = [p for p in _parts(run_dir) if _rows(p) > 0]
-    if not parts:
+    clients = [p for p in _parts(run_dir) if _rows(p) > 0]
+    if not clients:
         return None
+    # The router's, the engines' and the fabric preflight's files join the clients' (llmd.metrics.run_files); one
+    # that cannot be read yet (a writer that has not flushed its first chunk) is left out rather than failing the run.
+    others = [p for p in run_inputs(run_dir) if p not in clients and p.name != "metrics.h5" and _readable(p)]
     out = run_dir / "metrics.h5"
     tmp = run_dir / ".metrics.h5.merging"
-    merge_runs(parts, tmp, overwrite=True)
+    merge_runs([*clients, *others], tmp, overwrite=True)
     os.replace(tmp, out)
     return out
 
@@ -101,10 +123,11 @@ def _wait_for_engines(run_dir: Path, names: set[str], timeout_s: float, stop: di
     raise RunFailed(f"engines {', '.join(missing)} not ready after {timeout_s:.0f} s; see {run_dir / 'logs'}")
 
 
-def _start_router(spec_path: Path, run_dir: Path, port: int) -> subprocess.Popen:
+def _start_router(spec_path: Path, run_dir: Path, port: int, metrics_out: Path) -> subprocess.Popen:
     log = run_dir / "logs" / "router.log"
     cmd = [sys.executable, "-u", "-m", "llmd.cli", "router", "--spec", str(spec_path)]
     cmd += ["--discovery", str(run_dir / DISCOVERY_FILE), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--metrics-out", str(metrics_out)]
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -143,13 +166,14 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
         _wait_for_engines(run_dir, names, spec.engine.startup_timeout_s + 30, stop)
         update_state(run_dir, phase="starting router")
         port = spec.router.port
-        router = _start_router(spec_path, run_dir, port)
+        part = run_dir / "parts" / f"attempt-{attempt}"
+        while part.exists():  # an attempt re-run under the same restart count: never overwrite its rows
+            part = part.with_name(part.name + "b")
+        part.mkdir(parents=True)
+        router = _start_router(spec_path, run_dir, port, part / "router.h5")
         if remaining <= 0:
             update_state(run_dir, phase="benchmark already complete in earlier attempts")
         else:
-            part = run_dir / "parts" / f"attempt-{attempt}"
-            while part.exists():  # an attempt re-run under the same restart count: never overwrite its rows
-                part = part.with_name(part.name + "b")
             bench_log = run_dir / "logs" / f"bench-{attempt}.log"
             cmd = [sys.executable, "-u", "-m", "llmd.cli", "bench", "--spec", str(spec_path)]
             cmd += ["--url", f"http://127.0.0.1:{port}", "--output", str(part.parent), "--run", part.name]
@@ -183,6 +207,7 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
                 raise Interrupted()
             if bench.returncode != 0:
                 raise RunFailed(f"benchmark client exited with code {bench.returncode}:\n{log_tail(bench_log, 15)}")
+        stop_process_group(router, grace_s=10)  # SIGTERM: the router closes its file, so the merge has every row
         result = merge_parts(run_dir)
         total = _rows(result) if result else 0
         update_state(

@@ -18,12 +18,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from llmd.errors import UserError
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
+from llmd.metrics.run_files import engine_metrics_path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DEFAULT_MIB = 64
@@ -211,6 +213,9 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
     started: list[tuple[EngineProcess, subprocess.Popen, Path]] = []
     try:
         for proc in plan.processes:
+            if spec.engine.kind == "sim" and proc.health_url is not None:
+                # Each simulated engine streams its per-second series into the run folder's engine files.
+                proc = replace(proc, argv=[*proc.argv, "--metrics-out", str(engine_metrics_path(run_dir, proc.name))])
             child, log = _start(proc, log_dir)
             started.append((proc, child, log))
             _log(plan.role, plan.index, f"started {proc.name} (pid {child.pid}), log {log}")

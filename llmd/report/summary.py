@@ -56,7 +56,8 @@ def _pct(values: Any, q: float) -> float | None:
 def client_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The load generator's rows when the file holds several producers' rows, else all of them."""
     if "source" in df and len(df):
-        mine = df[df["source"].isin(CLIENT_SOURCES)]
+        # A merged run of several attempts names its clients client, client#2, ... (llmd.metrics.merge).
+        mine = df[df["source"].astype(str).str.split("#").str[0].isin(CLIENT_SOURCES)]
         if len(mine) and len(mine) < len(df):
             return mine
     return df

@@ -11,10 +11,12 @@ import signal
 import subprocess
 from pathlib import Path
 
+import h5py
 import pytest
 from conftest import job_active, llmd, run_dirs, run_state, wait_for, write_spec
 
-from llmd.metrics import read_requests
+from llmd.metrics import read_meta, read_requests, read_timeseries
+from llmd.report.summary import client_rows
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -54,13 +56,23 @@ def test_het_job_runs_end_to_end_into_hdf5(tmp_path: Path, tiny_tokenizer: Path,
     nodes = state["nodes"]
     assert set(nodes) == {"main", "prefill", "decode"}
     assert len({n for ns in nodes.values() for n in ns}) == 3
-    df = read_requests(run / "metrics.h5")
+    every = read_requests(run / "metrics.h5")
+    df = client_rows(every)
     assert len(df) == state["progress"]["requests"] > 0
     assert (df["status"] == 200).mean() > 0.9
     entries = {e["name"] for e in json.loads((run / "discovery.json").read_text())}
     assert entries == {"prefill-0", "decode-0"}
+    # One run file from every producer: the router saw each client request, the engines wrote their series.
+    sources = set(read_meta(run / "metrics.h5")["sources"])
+    assert {"client", "router"} <= sources and any(s.startswith(("prefill-0", "decode-0")) for s in sources)
+    routed = every[every["source"] == "router"]
+    assert set(df["request_id"]) <= set(routed["request_id"])
+    engine_ts = read_timeseries(run / "metrics.h5")
+    assert engine_ts["source"].astype(str).str.startswith("decode-0").any()
     if starter == "fabric":
         assert (run / "fabric-decode.h5").exists()
+        with h5py.File(run / "metrics.h5", "r") as f:
+            assert "fabric" in f and "decode" in f["fabric"]
     assert set(_sacct(state["job_id"]).values()) == {"COMPLETED"}
     status = llmd("status", state["job_id"], cwd=tmp_path)
     assert status.returncode == 0 and "COMPLETED" in status.stdout and str(run / "metrics.h5") in status.stdout
@@ -162,7 +174,9 @@ def test_requeue_resumes_and_keeps_earlier_rows(tmp_path: Path, tiny_tokenizer: 
     first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
     second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
     assert len(first) > 0 and len(second) > 0
-    assert len(read_requests(run / "metrics.h5")) == len(first) + len(second)
+    assert len(client_rows(read_requests(run / "metrics.h5"))) == len(first) + len(second)
+    # each attempt's engines wrote their own files; none was overwritten
+    assert {p.name.split("-a")[-1][0] for p in (run / "parts" / "engines").glob("*.h5")} == {"0", "1"}
 
 
 def test_aggregated_spec_runs_two_decode_replicas(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
