@@ -133,7 +133,8 @@ start_mariadb() {
                 >"$DIR/log/mariadb-install.log" 2>&1 || die "mariadb-install-db failed; see $DIR/log/mariadb-install.log"
         fi
         say "starting MariaDB on 127.0.0.1:$DB_PORT"
-        nohup mariadbd --user=root --datadir="$DIR/mysql" --socket="$sock" --pid-file="$pidfile" \
+        # setsid: its own session, so the caller's process group ending (a shell job, a make run) leaves it running.
+        setsid nohup mariadbd --user=root --datadir="$DIR/mysql" --socket="$sock" --pid-file="$pidfile" \
             --port=$DB_PORT --bind-address=127.0.0.1 --log-error="$DIR/log/mariadb.log" \
             --innodb-buffer-pool-size=32M >/dev/null 2>&1 &
         wait_for 60 mariadb mariadb --socket="$sock" -e "SELECT 1" ||
