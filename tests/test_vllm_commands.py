@@ -242,3 +242,23 @@ def test_every_argv_parses_with_vllms_own_parser(vllm_parser, glm):
         if "--speculative-config" in x.argv:
             assert args.speculative_config["method"] == "mtp"
         assert args.enable_expert_parallel == ("--enable-expert-parallel" in x.argv)
+
+
+def test_wait_healthy_names_the_engine_and_shows_the_log_it_wrote_before_dying(tmp_path: Path) -> None:
+    """The tail is read when the error is raised, so what the engine printed on its way down is in the message."""
+    import subprocess
+    import sys
+
+    from llmd.engines.vllm_server import EngineStartError, wait_healthy
+
+    log = tmp_path / "engine.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(0.5); print('ValueError: no such model', flush=True)"],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    with pytest.raises(EngineStartError) as err:
+        wait_healthy("http://127.0.0.1:9/health", proc, 30, log, name="decode-0")
+    assert "decode-0 exited with code 0 before it was healthy" in str(err.value)
+    assert "ValueError: no such model" in str(err.value)

@@ -55,12 +55,15 @@ def wait_healthy(
     """Return once GET `url` answers 200; raise EngineStartError (with the log's tail) if one of `procs` exits first
     or the time runs out. Any server llmd starts as a child process is waited for here."""
     group = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
-    where = f"; log {log}:\n{log_tail(log)}" if log is not None else ""
+
+    def where() -> str:  # read when raising: the log's tail at start-up is empty
+        return f"; log {log}:\n{log_tail(log)}" if log is not None else ""
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in group:
             if proc.poll() is not None:
-                raise EngineStartError(f"{name} exited with code {proc.returncode} before it was healthy{where}")
+                raise EngineStartError(f"{name} exited with code {proc.returncode} before it was healthy{where()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -68,7 +71,7 @@ def wait_healthy(
         except OSError:
             pass
         time.sleep(0.25)
-    raise EngineStartError(f"{name} was not healthy at {url} after {timeout_s:.0f} s{where}")
+    raise EngineStartError(f"{name} was not healthy at {url} after {timeout_s:.0f} s{where()}")
 
 
 @contextmanager
