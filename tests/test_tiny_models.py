@@ -1,5 +1,5 @@
 """`llmd model make-tiny`: the dense Llama and the Qwen3-MoE folders hold the config keys and tensor names vLLM 0.32's
-loaders read (that vLLM really serves them: tests/vllm/test_moe.py and the other tests/vllm modules)."""
+loaders read (that vLLM really serves them: tests/vllm_stack/test_moe.py and the other tests/vllm_stack modules)."""
 
 from __future__ import annotations
 

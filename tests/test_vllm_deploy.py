@@ -1,5 +1,5 @@
 """llmd.engines.vllm_deploy without starting vLLM: the CPU argv and env of each launch, the router's PodInfo, free port
-bands and the checks made before minutes of start-up are spent. Real servers: tests/vllm."""
+bands and the checks made before minutes of start-up are spent. Real servers: tests/vllm_stack."""
 
 from __future__ import annotations
 

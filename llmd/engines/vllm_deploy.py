@@ -369,7 +369,7 @@ def _vllm_installed() -> bool:
         spec = importlib.util.find_spec("vllm")  # finds without importing (a submodule would import vllm: seconds)
     except (ImportError, ValueError):
         return False
-    # A regular package: tests/vllm, on sys.path under pytest, would pass for a namespace package called vllm.
+    # A regular package, not a namespace package: any folder named vllm on sys.path would pass for the latter.
     return spec is not None and (spec.origin or "").endswith("__init__.py")
 
 
