@@ -106,7 +106,10 @@ def test_dead_component_tears_the_job_down_and_says_why(
     assert not _alive(pids["prefill-0"]), "the prefill engine outlived the job"
     # the rows recorded before the failure are kept
     state = run_state(run)
-    assert state["state"] == "FAILED" and len(read_requests(run / "metrics.h5")) == state["progress"]["requests"] > 0
+    assert (
+        state["state"] == "FAILED"
+        and len(client_rows(read_requests(run / "metrics.h5"))) == state["progress"]["requests"] > 0
+    )
 
 
 def test_cancel_ends_the_job(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
@@ -152,7 +155,7 @@ def test_plain_sbatch_template_submits_and_runs(tmp_path: Path, tiny_tokenizer: 
         wait_for(lambda: not job_active(job_id), 180, "the hand-submitted job to end")
         state = run_state(run)
         assert state["state"] == "COMPLETED" and state["job_id"] == job_id, state
-        assert len(read_requests(run / "metrics.h5")) == state["progress"]["requests"] > 0
+        assert len(client_rows(read_requests(run / "metrics.h5"))) == state["progress"]["requests"] > 0
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
