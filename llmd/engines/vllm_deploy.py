@@ -225,7 +225,7 @@ class VllmDeployment:
         warmup: bool = True,
     ) -> None:
         check_cpu_spec(spec)
-        if python == sys.executable and not _vllm_installed():
+        if python == sys.executable and not vllm_installed():
             raise UserError("vLLM is not installed here; run `make install-full` (or pip install -e '.[vllm]')")
         self.spec = spec
         self.workdir = Path(workdir)
@@ -362,7 +362,7 @@ class VllmDeployment:
         return [f"{p.name} exited {p.proc.returncode}:\n{log_tail(p.log)}" for p in gone]
 
 
-def _vllm_installed() -> bool:
+def vllm_installed() -> bool:
     import importlib.util
 
     try:

@@ -18,17 +18,13 @@ import h5py
 import numpy as np
 
 from llmd.fabric.preflight import PreflightResult
+from llmd.metrics.run_files import fresh_path
 from llmd.metrics.writer import run_attrs
 
 
 def fabric_path(run_dir: Path, role: str) -> Path:
     """DIR/fabric-<role>.h5, or -2, -3, ... if an earlier attempt (a requeued job) left one: never overwritten."""
-    path = run_dir / f"fabric-{role}.h5"
-    k = 2
-    while path.exists():
-        path = run_dir / f"fabric-{role}-{k}.h5"
-        k += 1
-    return path
+    return fresh_path(run_dir, f"fabric-{role}")
 
 
 def write_matrix(

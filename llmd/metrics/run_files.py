@@ -29,10 +29,15 @@ def engine_metrics_path(run_dir: Path, name: str, attempt: int | None = None) ->
     folder = Path(run_dir) / "parts" / "engines"
     folder.mkdir(parents=True, exist_ok=True)
     n = attempt_number() if attempt is None else attempt
-    path = folder / f"{name}-a{n}.h5"
+    return fresh_path(folder, f"{name}-a{n}")
+
+
+def fresh_path(folder: Path, stem: str) -> Path:
+    """FOLDER/STEM.h5, or STEM-2.h5, STEM-3.h5, ... when taken: a run's files are created, never overwritten."""
+    path = Path(folder) / f"{stem}.h5"
     k = 2
     while path.exists():
-        path = folder / f"{name}-a{n}-{k}.h5"
+        path = Path(folder) / f"{stem}-{k}.h5"
         k += 1
     return path
 

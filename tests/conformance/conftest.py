@@ -7,7 +7,6 @@ fixture is parametrized over both; tests that need both at once take `both` (and
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -168,12 +167,9 @@ def _subscriber(endpoint: str) -> zmq.Socket:
 
 
 def _have_vllm() -> bool:
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return False
-    # A regular package, not a namespace package: any folder named vllm on sys.path would pass for the latter.
-    return spec is not None and (spec.origin or "").endswith("__init__.py")
+    from llmd.engines.vllm_deploy import vllm_installed
+
+    return vllm_installed()
 
 
 def _child_env(**extra: str) -> dict[str, str]:

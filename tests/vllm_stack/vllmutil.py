@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -16,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmd.engines.vllm_deploy import VllmDeployment
+from llmd.engines.vllm_deploy import VllmDeployment, vllm_installed
 from llmd.router.endpoints import PodInfo
 from llmd.router.proxy import Router, RouterConfig
 
@@ -28,12 +27,7 @@ START_TIMEOUT_S = 420.0  # three servers starting at once on a loaded 2-core mac
 
 
 def vllm_importable() -> bool:
-    try:
-        spec = importlib.util.find_spec("vllm")  # finds without importing (a submodule would import vllm: seconds)
-    except (ImportError, ValueError):
-        return False
-    # A regular package, not a namespace package: any folder named vllm on sys.path would pass for the latter.
-    return spec is not None and (spec.origin or "").endswith("__init__.py")
+    return vllm_installed()
 
 
 def require_vllm() -> None:
