@@ -205,3 +205,60 @@ def test_sbatch_refusal_is_a_user_error(tmp_path: Path, tiny_tokenizer: Path) ->
     assert "Traceback" not in res.stderr
     (run,) = run_dirs(tmp_path, "refused")
     assert run_state(run)["state"] == "FAILED" and "partition" in run_state(run)["cause"]
+
+
+def test_node_failure_requeues_and_resumes_on_the_nodes_left(
+    tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]
+) -> None:
+    """A node going DOWN under a --requeue run (what slurmctld does when a node stops answering) requeues the job;
+    the next attempt runs to the end and the first attempt's rows stay in the run file."""
+    spec = write_spec(tmp_path, tiny_tokenizer, "nf", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
+    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--requeue", "--no-follow", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run,) = run_dirs(tmp_path, "nf")
+    job_id = run_state(run)["job_id"]
+    jobs.append(job_id)
+    wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
+    (failed,) = run_state(run)["nodes"]["decode"]
+    try:
+        subprocess.run(
+            ["scontrol", "update", f"NodeName={failed}", "State=DOWN", "Reason=llmd-test-node-failure"],
+            check=True,
+            timeout=30,
+        )
+        wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
+        wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
+    finally:
+        # The local cluster has ReturnToService=2: the node's slurmd re-registers and may have brought it back.
+        subprocess.run(["scontrol", "update", f"NodeName={failed}", "State=RESUME"], capture_output=True, timeout=30)
+    history = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "JobID,State"], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert "NODE_FAIL" in history, history  # Slurm's own record of why the first attempt ended
+    state = run_state(run)
+    assert state["state"] == "COMPLETED", state
+    first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
+    second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
+    assert len(first) > 0 and len(second) > 0
+    assert len(client_rows(read_requests(run / "metrics.h5"))) == len(first) + len(second)
+
+
+def test_preemption_signal_checkpoints_and_requeues(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
+    """Preemption and the time limit reach the job as submitit's signal (USR2, --signal=USR2@90): the main job is
+    checkpointed, submitit requeues it, and the next attempt resumes with the first attempt's rows kept."""
+    spec = write_spec(tmp_path, tiny_tokenizer, "pre", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
+    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--requeue", "--no-follow", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run,) = run_dirs(tmp_path, "pre")
+    job_id = run_state(run)["job_id"]
+    jobs.append(job_id)
+    wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
+    subprocess.run(["scancel", "--signal=USR2", f"{job_id}+0"], check=True, timeout=30)
+    wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
+    wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
+    state = run_state(run)
+    assert state["state"] == "COMPLETED", state
+    first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
+    second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
+    assert len(first) > 0 and len(second) > 0
+    assert len(client_rows(read_requests(run / "metrics.h5"))) == len(first) + len(second)
