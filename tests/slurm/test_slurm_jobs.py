@@ -160,28 +160,6 @@ def test_plain_sbatch_template_submits_and_runs(tmp_path: Path, tiny_tokenizer: 
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
 
-def test_requeue_resumes_and_keeps_earlier_rows(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
-    spec = write_spec(tmp_path, tiny_tokenizer, "rq", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
-    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--requeue", "--no-follow", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    (run,) = run_dirs(tmp_path, "rq")
-    job_id = run_state(run)["job_id"]
-    jobs.append(job_id)
-    wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-    # Slurm holds a requeued het job for cred_expire (10 s here) and backfill starts it some 30 s later
-    wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
-    wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
-    state = run_state(run)
-    assert state["state"] == "COMPLETED", state
-    first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
-    second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
-    assert len(first) > 0 and len(second) > 0
-    assert len(client_rows(read_requests(run / "metrics.h5"))) == len(first) + len(second)
-    # each attempt's engines wrote their own files; none was overwritten
-    assert {p.name.split("-a")[-1][0] for p in (run / "parts" / "engines").glob("*.h5")} == {"0", "1"}
-
-
 def test_aggregated_spec_runs_two_decode_replicas(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
     """prefill.nodes 0: no prefill component; two decode nodes, one replica each, both listed for the router."""
     spec = write_spec(tmp_path, tiny_tokenizer, "agg", prefill={"nodes": 0}, decode={"nodes": 2, "replicas": 2})
@@ -207,58 +185,55 @@ def test_sbatch_refusal_is_a_user_error(tmp_path: Path, tiny_tokenizer: Path) ->
     assert run_state(run)["state"] == "FAILED" and "partition" in run_state(run)["cause"]
 
 
-def test_node_failure_requeues_and_resumes_on_the_nodes_left(
-    tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]
+def _interrupt(how: str, job_id: str, run: Path) -> str | None:
+    """End the first attempt of a --requeue run the way `how` names; returns a node to put back in service."""
+    if how == "scontrol-requeue":
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        return None
+    if how == "preemption-signal":
+        # Preemption and the time limit reach the job as submitit's signal (USR2, --signal=USR2@90): the main job
+        # is checkpointed and submitit requeues it.
+        subprocess.run(["scancel", "--signal=USR2", f"{job_id}+0"], check=True, timeout=30)
+        return None
+    # A node going DOWN, what slurmctld does when a node stops answering.
+    (node,) = run_state(run)["nodes"]["decode"]
+    cmd = ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=llmd-test-node-failure"]
+    subprocess.run(cmd, check=True, timeout=30)
+    return node
+
+
+@pytest.mark.parametrize("how", ["scontrol-requeue", "preemption-signal", "node-failure"])
+def test_requeue_resumes_and_keeps_earlier_rows(
+    tmp_path: Path, tiny_tokenizer: Path, jobs: list[str], how: str
 ) -> None:
-    """A node going DOWN under a --requeue run (what slurmctld does when a node stops answering) requeues the job;
-    the next attempt runs to the end and the first attempt's rows stay in the run file."""
-    spec = write_spec(tmp_path, tiny_tokenizer, "nf", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
+    spec = write_spec(tmp_path, tiny_tokenizer, "rq", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
     res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--requeue", "--no-follow", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    (run,) = run_dirs(tmp_path, "nf")
+    (run,) = run_dirs(tmp_path, "rq")
     job_id = run_state(run)["job_id"]
     jobs.append(job_id)
     wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
-    (failed,) = run_state(run)["nodes"]["decode"]
+    node = _interrupt(how, job_id, run)
     try:
-        subprocess.run(
-            ["scontrol", "update", f"NodeName={failed}", "State=DOWN", "Reason=llmd-test-node-failure"],
-            check=True,
-            timeout=30,
-        )
+        # Slurm holds a requeued het job for cred_expire (10 s here) and backfill starts it some 30 s later
         wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
         wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
     finally:
-        # The local cluster has ReturnToService=2: the node's slurmd re-registers and may have brought it back.
-        subprocess.run(["scontrol", "update", f"NodeName={failed}", "State=RESUME"], capture_output=True, timeout=30)
-    history = subprocess.run(
-        ["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "JobID,State"], capture_output=True, text=True, timeout=30
-    ).stdout
-    assert "NODE_FAIL" in history, history  # Slurm's own record of why the first attempt ended
+        if node is not None:  # ReturnToService=2 here: its slurmd re-registering may have brought it back already
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True, timeout=30)
     state = run_state(run)
     assert state["state"] == "COMPLETED", state
     first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
     second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
     assert len(first) > 0 and len(second) > 0
     assert len(client_rows(read_requests(run / "metrics.h5"))) == len(first) + len(second)
-
-
-def test_preemption_signal_checkpoints_and_requeues(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
-    """Preemption and the time limit reach the job as submitit's signal (USR2, --signal=USR2@90): the main job is
-    checkpointed, submitit requeues it, and the next attempt resumes with the first attempt's rows kept."""
-    spec = write_spec(tmp_path, tiny_tokenizer, "pre", workload={**LONG, "duration_s": 14}, engine={"time_scale": 1})
-    res = llmd("launch", str(spec), "--starter", "basic", "--gpus", "no", "--requeue", "--no-follow", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    (run,) = run_dirs(tmp_path, "pre")
-    job_id = run_state(run)["job_id"]
-    jobs.append(job_id)
-    wait_for(lambda: run_state(run).get("progress", {}).get("requests", 0) > 0, 90, "requests flowing")
-    subprocess.run(["scancel", "--signal=USR2", f"{job_id}+0"], check=True, timeout=30)
-    wait_for(lambda: run_state(run).get("attempt") == 1, 240, "the second attempt", step=2)
-    wait_for(lambda: not job_active(job_id), 120, "the job to end", step=2)
-    state = run_state(run)
-    assert state["state"] == "COMPLETED", state
-    first = read_requests(run / "parts" / "attempt-0" / "metrics.h5")
-    second = read_requests(run / "parts" / "attempt-1" / "metrics.h5")
-    assert len(first) > 0 and len(second) > 0
-    assert len(client_rows(read_requests(run / "metrics.h5"))) == len(first) + len(second)
+    # each attempt's engines wrote their own files; none was overwritten
+    assert {p.name.split("-a")[-1][0] for p in (run / "parts" / "engines").glob("*.h5")} == {"0", "1"}
+    if how == "node-failure":
+        history = subprocess.run(
+            ["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "JobID,State"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        assert "NODE_FAIL" in history, history  # Slurm's own record of why the first attempt ended
