@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _report import free_port, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+
 from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.models.tiny import make_tiny  # noqa: E402
 from llmd.spec.model import WorkloadSpec  # noqa: E402
@@ -38,14 +40,6 @@ MAX_DELAY_SHARE = 0.05
 GAP_S = 2.0
 LEVEL_S = 12.0
 LEVELS = (250, 500, 1000, 2000, 3000, 4000, 6000, 8000)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engine(model_dir: Path, port: int, cores: set[int]) -> subprocess.Popen[bytes]:
@@ -143,8 +137,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 engine.kill()
         rate = h5_rate(tmp)
-    print(f"concurrent_sessions: {best}  # target >= {TARGET_SESSIONS} (ratio {best / TARGET_SESSIONS:.2f})")
-    print(f"h5_rows_per_s: {rate:,.0f}  # target >= 200,000 (ratio {rate / 200_000:.2f})")
+    report("concurrent_sessions", best, TARGET_SESSIONS, higher_is_better=True, fmt="{:,.0f}")
+    report("h5_rows_per_s", rate, 200_000, higher_is_better=True, fmt="{:,.0f}")
     where = f"client on core {cores[0]}, engine on cores {sorted(engine_cores)}"
     print(f"# {where}; gap {GAP_S:g} s, {seconds:g} s a level")
 

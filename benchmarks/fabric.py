@@ -27,19 +27,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _report import info, report
+
 from llmd.fabric.preflight import pair_bandwidth
 
 TARGET_RATIO = 0.8
-
-
-def report(name: str, value: float, target: float, higher_is_better: bool, fmt: str = "{:.2f}") -> None:
-    ratio = value / target if higher_is_better else target / value
-    op = ">=" if higher_is_better else "<="
-    print(f"{name}: {fmt.format(value)}  # target {op} {target:g} (ratio {ratio:.2f})", flush=True)
-
-
-def info(name: str, value: object) -> None:
-    print(f"# {name}: {value}", flush=True)
 
 
 class Memcpy:

@@ -38,6 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _report import info, report
+
 from llmd.kv.events import BlockStored, KVEventDecoder, encode_batch
 from llmd.kv.index import KVIndex
 
@@ -50,16 +52,6 @@ VOCAB = 151_936
 HASHES_PER_EVENT = (1, 2, 3, 4)
 HASHES_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
 EVENTS_PER_BATCH = 16
-
-
-def report(name: str, value: float, target: float, higher_is_better: bool, fmt: str = "{:.1f}") -> None:
-    ratio = value / target if higher_is_better else target / value
-    op = ">=" if higher_is_better else "<="
-    print(f"{name}: {fmt.format(value)}  # target {op} {target:g} (ratio {ratio:.2f})", flush=True)
-
-
-def info(name: str, value: object) -> None:
-    print(f"# {name}: {value}", flush=True)
 
 
 def rand_hashes(rng: np.random.Generator, n: int) -> list[int]:

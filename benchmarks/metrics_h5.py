@@ -23,6 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+
+from _report import report
+
 from llmd.metrics import MetricsWriter, read_requests_array, to_rows
 
 TARGET_ROWS_PER_S = 200_000
@@ -92,7 +95,7 @@ def main() -> None:
         assert len(check) == n and check["request_id"][-1] == array_batches[-1]["request_id"][-1]
 
     rate, size = results[("lzf", "dicts")]
-    print(f"h5_rows_per_s: {rate:,.0f}  # target >= {TARGET_ROWS_PER_S:,} (ratio {rate / TARGET_ROWS_PER_S:.2f})")
+    report("h5_rows_per_s", rate, TARGET_ROWS_PER_S, higher_is_better=True, fmt="{:,.0f}")
     print(f"# h5_bytes_per_row: {size / n:.1f}  (lzf; uncompressed row {array_batches[0].dtype.itemsize} B)")
     for (comp, kind), (r, s) in results.items():
         print(f"# {comp:>4} {kind:>5}: {r:>12,.0f} rows/s  {s / n:6.1f} B/row")

@@ -33,6 +33,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _report import report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+
 from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.kv.hashing import BlockHasher, event_hash  # noqa: E402
 from llmd.kv.index import KVIndex  # noqa: E402
@@ -87,12 +89,6 @@ BLOCK = 64
 HIT_BLOCK = 16
 GPU_BLOCKS = int(os.environ.get("LLMD_BENCH_GPU_BLOCKS", "2400"))
 POLICIES = ("precise", "approximate", "round-robin")
-
-
-def report(name: str, value: float, target: float, higher_is_better: bool, fmt: str = "{:.2f}") -> None:
-    ratio = value / target if higher_is_better else target / max(value, 1e-12)
-    op = ">=" if higher_is_better else "<="
-    print(f"{name}: {fmt.format(value)}  # target {op} {target:g} (ratio {ratio:.2f})", flush=True)
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,24 +29,14 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _report import free_port, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+
 from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.models.tiny import make_tiny  # noqa: E402
 from llmd.perf import LatencyModel, Parallelism, get_gpu, get_model  # noqa: E402
 
 TTFT_SIZES = (2048, 4096, 8192, 16384, 32768)
 CHUNK = 8192
-
-
-def report(name: str, value: float, target: float, higher_is_better: bool, fmt: str = "{:.1f}") -> None:
-    ratio = value / target if higher_is_better else target / max(value, 1e-9)
-    op = ">=" if higher_is_better else "<="
-    print(f"{name}: {fmt.format(value)}  # target {op} {target:g} (ratio {ratio:.2f})", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engine(spec: Path, port: int, extra: list[str], cpu: int | None) -> subprocess.Popen:

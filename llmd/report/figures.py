@@ -64,13 +64,7 @@ def write_figures(runs: Mapping[str, pd.DataFrame], out_dir: str | os.PathLike[s
         ttft = ttft[np.isfinite(ttft)]
         if ttft.size:
             ax.step(ttft * 1e3, np.arange(1, ttft.size + 1) / ttft.size, where="post", label=label)
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("share of requests")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Time to first token (CDF)")
-    ax.grid(alpha=0.3)
-    if runs:
-        ax.legend()
+    _share_axes(ax, "TTFT (ms)", "share of requests", "Time to first token (CDF)", legend=bool(runs))
     paths.append(_save(fig, out / FIGURES[0], plt))
 
     fig, (ax_in, ax_out) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
@@ -93,15 +87,20 @@ def write_figures(runs: Mapping[str, pd.DataFrame], out_dir: str | os.PathLike[s
         share = hit_share_per_turn(df)
         if len(share):
             ax.plot(share.index.to_numpy(), share.to_numpy(), marker="o", label=label)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("cached / prompt tokens")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Prefix-cache hit share per turn")
-    ax.grid(alpha=0.3)
-    if runs:
-        ax.legend()
+    _share_axes(ax, "turn", "cached / prompt tokens", "Prefix-cache hit share per turn", legend=bool(runs))
     paths.append(_save(fig, out / FIGURES[2], plt))
     return paths
+
+
+def _share_axes(ax, xlabel: str, ylabel: str, title: str, legend: bool) -> None:
+    """The look of a panel whose y axis is a share (0-1)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
 
 
 def _save(fig, path: Path, plt) -> Path:
