@@ -365,6 +365,7 @@ def test_pd_two_hops_as_nixl_connector_expects(model_dir: Path) -> None:
                     st, r, h = await post(http, router.url + "/v1/chat/completions", req)
                     assert st == 200, r
                     assert h["x-llmd-pod"] == "d0" and h["x-llmd-prefill-pod"] == "p0" and h["x-llmd-pd"] == "ok"
+                    assert h["x-llmd-pd-reason"] == "threshold"
                     assert float(h["x-llmd-prefill-ms"]) > 0
                     pbody, _ = pre.seen[-1]
                     assert pbody["max_tokens"] == 1 and pbody["stream"] is False
@@ -389,7 +390,7 @@ def test_pd_two_hops_as_nixl_connector_expects(model_dir: Path) -> None:
                 assert metric(rtext, "llmd_router_prefill_hop_seconds_count") == 2
                 # A short prompt stays on the decode pod alone.
                 st, r, h = await post(http, router.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
-                assert st == 200 and "x-llmd-prefill-pod" not in h
+                assert st == 200 and "x-llmd-prefill-pod" not in h and h["x-llmd-pd-reason"] == "below-threshold"
 
     run(body)
 
@@ -417,7 +418,7 @@ def test_pd_falls_back_to_decode_only_when_prefill_fails(model_dir: Path) -> Non
                 assert metric(text, "llmd_router_pd_total", outcome="fallback") == 1
                 assert not router.registry.pods["p1"].healthy  # and it left routing at once
                 st, r, h = await post(http, router.url + "/v1/completions", {"prompt": words(3, 200), "max_tokens": 3})
-                assert st == 200 and "x-llmd-pd" not in h
+                assert st == 200 and "x-llmd-pd" not in h and h["x-llmd-pd-reason"] == "prefill-unhealthy"
 
     run(body)
 

@@ -618,7 +618,8 @@ def test_pd_threshold_on_off() -> None:
     assert s.schedule(request(blocks(100, 2)), snap({D1: IDLE}), ix).pd_reason == ""
     # unhealthy prefill pool: decode-only
     sick = {P1: EndpointState(healthy=False), D1: IDLE}
-    assert s.schedule(request(blocks(100, 2)), snap(sick), ix).pd is None
+    down = s.schedule(request(blocks(100, 2)), snap(sick), ix)
+    assert down.pd is None and down.pd_reason == "prefill-unhealthy"
     # threshold 0 disaggregates everything
     assert Scheduler(spec(pd_threshold=0)).schedule(request(h), snap(PD_FLEET), ix).pd is not None
 

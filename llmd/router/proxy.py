@@ -12,7 +12,8 @@ and the KV index at once; the health loop brings it back.
 Response headers name what the router did: x-llmd-pod (and x-llmd-dp-rank), x-llmd-prefill-pod, x-llmd-p2p-source,
 x-llmd-queue-ms, x-llmd-prefill-ms (the prefill hop), x-llmd-upstream-ms (the serving pod's time to its first bytes;
 the whole body when not streaming), x-llmd-route-reason, x-llmd-expected-hit-tokens, x-llmd-attempts, x-llmd-pd ("ok"
-or "fallback" when disaggregation was decided).
+or "fallback" when disaggregation was decided), x-llmd-pd-reason (why the request was or was not disaggregated, when
+a prefill pool exists).
 """
 
 from __future__ import annotations
@@ -764,6 +765,12 @@ class Router:
         ctx.decision, ctx.out = d, out_headers
         if target.info.dp_size > 1:
             out_headers["x-llmd-dp-rank"] = str(rank)
+        # The snapshot holds healthy pods only, so "" also means a prefill pool with none of it healthy.
+        pd_reason = d.pd_reason or (
+            "prefill-unhealthy" if any(p.info.role == "prefill" for p in self.registry.pods.values()) else ""
+        )
+        if pd_reason:
+            out_headers["x-llmd-pd-reason"] = pd_reason
         payload = ctx.raw  # forwarded untouched unless a hop adds kv_transfer_params
         if not ctx.no_kv_transfer:
             if d.pd is not None and flight.prefill is not None:

@@ -50,6 +50,7 @@ from llmd.router.scheduling.scorers import (
 )
 from llmd.router.scheduling.speculative import SpeculativeIndex
 from llmd.router.scheduling.state import (
+    HOP_ROLES,
     Candidate,
     Decision,
     Endpoint,
@@ -348,7 +349,8 @@ class Scheduler:
         cfg = self.config
         pre_ok = filters.routable(snapshot.candidates, "prefill")
         if not pre_ok:
-            return None, ""
+            pool = any(c.endpoint.role in HOP_ROLES["prefill"] for c in snapshot.candidates)
+            return None, "prefill-unhealthy" if pool else ""
         if max(0, req.num_tokens - expected) < cfg.pd_threshold:
             return None, "below-threshold"  # decided before choosing a prefill endpoint: that costs a scoring pass
         pre = pre_ok

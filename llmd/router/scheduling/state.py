@@ -172,7 +172,9 @@ class Decision:
     gpu_hit_tokens / cpu_hit_tokens: prompt tokens the target holds itself, per tier.
     p2p_tokens: prompt tokens the target pulls from `p2p_source` beyond its own hit.
     expected_hit_tokens: tokens the target will not compute: its own hits plus the P2P pull.
-    pd: the prefill hop, or None for decode-only; pd_reason says why either way ("" when no prefill pool exists).
+    pd: the prefill hop, or None for decode-only; pd_reason says why either way: the decider's name ("threshold",
+        "queue-aware") when taken; "below-threshold", "local-faster", "p2p", "prefill-unhealthy" (a prefill pool, none
+        of it healthy) when not; "" when no prefill pool exists.
     cold: no candidate held any prefix (feeds the no-hit-LRU scorer through `Scheduler.observe_routed`).
     """
 
