@@ -47,8 +47,9 @@ class RouterMetrics:
                           ["outcome"], registry=r)  # fmt: skip
         self.p2p = Counter("llmd_router_p2p", "Requests told to pull a cached prefix from a peer, by outcome.",
                            ["outcome"], registry=r)  # fmt: skip
-        self.retries = Counter("llmd_router_retries", "Requests retried on another pod before any byte streamed.",
-                               ["reason"], registry=r)  # fmt: skip
+        self.retries = Counter("llmd_router_retries", "Requests sent again before any byte streamed, by reason "
+                               "(resent: the same pod, its pooled connection closed under the request; others: "
+                               "another pod).", ["reason"], registry=r)  # fmt: skip
         self.queue_time = Histogram("llmd_router_queue_time_seconds", "Time waiting in the router's queue.",
                                     buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
         self.prefill_time = Histogram("llmd_router_prefill_hop_seconds", "P/D: duration of the prefill hop.",

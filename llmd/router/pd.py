@@ -21,11 +21,14 @@ P2P (a peer holds the prefix; the chosen pod pulls it instead of recomputing), t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 import msgspec
+
+from llmd.router import upstream
 
 P2PMode = Literal["hash", "two-hop"]
 
@@ -91,12 +94,15 @@ async def prefill_hop(
     body: bytes,
     headers: dict[str, str],
     timeout: aiohttp.ClientTimeout,
+    on_resend: Callable[[BaseException], None] | None = None,
 ) -> PrefillResult:
     """POST the prefill body; any failure (status, timeout, connection, a response without kv_transfer_params) is a
     result with kv_params None, never an exception: the caller falls back to decode-only."""
     t0 = time.monotonic()
     try:
-        async with http.post(url, data=body, headers=headers, timeout=timeout) as r:
+        async with await upstream.post(
+            http, url, data=body, headers=headers, timeout=timeout, on_resend=on_resend
+        ) as r:
             raw = await r.read()
             status = r.status
     except aiohttp.ClientConnectorError as exc:

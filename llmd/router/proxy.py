@@ -39,6 +39,7 @@ from llmd.errors import UserError
 from llmd.kv.index import KVIndex
 from llmd.metrics.schema import pd_path_of
 from llmd.router import pd as hops
+from llmd.router import upstream
 from llmd.router.admission import Admission, QueueFull
 from llmd.router.endpoints import EndpointRegistry, Pod, PodInfo
 from llmd.router.events import KVEventHub
@@ -282,13 +283,7 @@ class Router:
 
     async def start(self) -> Router:
         c = self.config
-        # One pooled session for every hop: connection reuse is most of what keeps a hop cheap.
-        self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_s),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        self.http = upstream.upstream_session(c.connect_timeout_s)
         try:
             await self.registry.start(self.http)
             self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
@@ -792,6 +787,7 @@ class Router:
             _json_encode(body),
             self._upstream_headers(ctx, pre, pre_rank),
             aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s),
+            on_resend=self._resent,
         )
         self._release_prefill(flight)
         self.metrics.prefill_time.observe(res.seconds)
@@ -854,8 +850,12 @@ class Router:
         pod = flight.target
         t0 = time.monotonic()
         try:
-            up = await self.http.post(
-                pod.info.url + ctx.route, data=payload, headers=self._upstream_headers(ctx, pod, flight.rank)
+            up = await upstream.post(
+                self.http,
+                pod.info.url + ctx.route,
+                data=payload,
+                headers=self._upstream_headers(ctx, pod, flight.rank),
+                on_resend=self._resent,
             )
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
             raise _Retry("connect", pod.name, pod_down=True) from exc
@@ -927,6 +927,10 @@ class Router:
                 up.release()
             else:
                 up.close()
+
+    def _resent(self, exc: BaseException) -> None:
+        self.metrics.retries.labels("resent").inc()
+        log.info("an engine closed a pooled connection under a request (%s); sent again", exc)
 
     def _calibrate(self, ctx: _Ctx, data: bytes) -> None:
         """Approximate routing estimates prompt tokens from characters (P/D threshold, KV admission); the engine's

@@ -35,7 +35,10 @@ def test_demo_on_real_vllm_servers(tmp_path: Path) -> None:
     # before streaming began, so the error and the token count are checked too, and a failure shows the whole row.
     bad = client[(client["status"] != 200) | (client["error"] != "") | ~(client["output_tokens"] > 0)]
     cols = ["request_id", "send_time", "status", "error", "ttft_s", "e2e_s", "input_tokens", "output_tokens", "pd_path"]
-    assert bad.empty, f"{bad[cols].to_string()}\nall rows:\n{client[cols].to_string()}\nstdout:\n{done.stdout[-2000:]}"
+    assert bad.empty, (
+        f"{bad[cols].to_string()}\nall rows:\n{client[cols].to_string()}\n"
+        f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-2000:]}"
+    )
     # Real P/D: the router sent prompts through the prefill server and the decode server pulled their KV.
     assert (client["pd_path"] == "pd").any(), client["pd_path"].value_counts().to_string()
     # Every request the decode server answered is a row (its access log, less the deployment's warm-up request).
