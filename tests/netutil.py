@@ -1,4 +1,5 @@
-"""Helpers the network tests share: bounded event loops and free port ranges on 127.0.0.1."""
+"""Helpers the network tests share: bounded event loops, free port ranges on 127.0.0.1, a sim server that drops
+connections."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from llmd.engines.sim.server import SimServer
 
 
 def run(coro_fn: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
@@ -38,3 +41,32 @@ def free_ports(n: int) -> int:
             for t in socks:
                 t.close()
     raise RuntimeError("no free port range")
+
+
+class DroppingSimServer(SimServer):
+    """A sim server that closes the connection of its next `drops` generate requests without a byte of answer: what
+    vLLM's uvicorn does when a pooled keep-alive connection reaches its idle timeout just as a request goes out. Each
+    distinct body is dropped once unless `again` (the race does not strike the same request twice in a row)."""
+
+    drops = 0
+    again = False
+
+    def _build_app(self) -> Any:
+        app = super()._build_app()
+        seen: set[bytes] = set()
+
+        async def drop(request: Any, handler: Any) -> Any:
+            if request.path.startswith("/v1/") and request.method == "POST" and self.drops > 0:
+                body = await request.read()
+                if body in seen and not self.again:
+                    return await handler(request)
+                seen.add(body)
+                self.drops -= 1
+                request.transport.close()
+                raise asyncio.CancelledError  # nothing more to send: the connection is gone
+            return await handler(request)
+
+        from aiohttp import web
+
+        app.middlewares.insert(0, web.middleware(drop))
+        return app

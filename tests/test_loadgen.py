@@ -11,7 +11,7 @@ from typing import Any
 
 import h5py
 import pytest
-from netutil import run
+from netutil import DroppingSimServer, run
 
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.runner import FaultConfig
@@ -96,6 +96,34 @@ def test_engine_failures_become_error_rows(model_dir: Path, tok: Tokenizer, tmp_
     assert summary.requests == summary.errors == len(df) == 4
     assert (df.status == 500).all() and df.error.str.startswith("HTTP 500").all()
     assert (df.turn == 0).all()
+
+
+def test_connection_dropped_before_an_answer_is_resent(model_dir: Path, tok: Tokenizer, tmp_path: Path) -> None:
+    """`llmd bench` pointed straight at a vLLM server: one whose keep-alive closes a pooled connection as a turn goes
+    out costs that turn nothing (the POST is sent again), while a server that keeps dropping is an error row."""
+    out = tmp_path / "dropped" / "metrics.h5"
+
+    async def body() -> LoadSummary:
+        async with DroppingSimServer(sim(model_dir)) as s:
+            assert isinstance(s, DroppingSimServer)
+            s.drops = 3  # three requests each lose their first connection
+            summary = await run_load(load(s.url, model_dir, tok, out))
+            assert s.drops == 0
+            return summary
+
+    summary = run(body, 30)
+    df = read_requests(out)
+    assert summary.errors == 0 and (df.status == 200).all() and (df.output_tokens > 0).all()
+
+    async def always() -> LoadSummary:
+        async with DroppingSimServer(sim(model_dir)) as s:
+            assert isinstance(s, DroppingSimServer)
+            s.drops, s.again = 10**6, True
+            return await run_load(load(s.url, model_dir, tok, tmp_path / "always" / "metrics.h5", max_requests=2))
+
+    summary = run(always, 30)
+    df = read_requests(tmp_path / "always" / "metrics.h5")
+    assert summary.errors == len(df) >= 1 and df.error.str.contains("Disconnected").all(), df.error.tolist()
 
 
 def test_connection_errors_become_rows(model_dir: Path, tok: Tokenizer, tmp_path: Path) -> None:

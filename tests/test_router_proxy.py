@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
-from netutil import free_ports
+from netutil import DroppingSimServer, free_ports
 from netutil import run as run_bounded
 
 from llmd.engines.sim.core import SimEngineConfig
@@ -423,38 +423,15 @@ def test_pd_falls_back_to_decode_only_when_prefill_fails(model_dir: Path) -> Non
     run(body)
 
 
-class Dropping(SimServer):
-    """A sim server that closes the connection of its next `drops` generate requests without a byte of answer: what
-    vLLM's uvicorn does when a pooled keep-alive connection reaches its idle timeout just as a request goes out."""
-
-    drops = 0
-
-    def _build_app(self) -> Any:
-        app = super()._build_app()
-
-        async def drop(request: Any, handler: Any) -> Any:
-            if request.path.startswith("/v1/") and request.method == "POST" and self.drops > 0:
-                self.drops -= 1
-                await request.read()
-                request.transport.close()
-                raise asyncio.CancelledError  # nothing more to send: the connection is gone
-            return await handler(request)
-
-        from aiohttp import web
-
-        app.middlewares.insert(0, web.middleware(drop))
-        return app
-
-
 def test_connection_closed_under_a_request_is_resent_and_the_pod_kept(model_dir: Path) -> None:
     """Seen on real vLLM under load: the router took a decode pod whose idle pooled connection closed under a request
     for dead, and with one decode pod every request failed 503 until the health loop brought it back."""
 
     async def body() -> None:
         async with Servers() as sv, aiohttp.ClientSession() as http:
-            pre = await sv.start(engine(model_dir, "p0", role="prefill"), Dropping)
-            dec = await sv.start(engine(model_dir, "d0", role="decode"), Dropping)
-            assert isinstance(pre, Dropping) and isinstance(dec, Dropping)
+            pre = await sv.start(engine(model_dir, "p0", role="prefill"), DroppingSimServer)
+            dec = await sv.start(engine(model_dir, "d0", role="decode"), DroppingSimServer)
+            assert isinstance(pre, DroppingSimServer) and isinstance(dec, DroppingSimServer)
             cfg = rconfig(model_dir, pd_threshold=16, health_interval_s=30.0)
             async with Router(cfg, [pod_of(pre), pod_of(dec)]) as router:
                 for i, stream in enumerate((False, True)):
@@ -468,7 +445,7 @@ def test_connection_closed_under_a_request_is_resent_and_the_pod_kept(model_dir:
                 text = await metric_text(http, router.url)
                 assert metric(text, "llmd_router_retries_total", reason="resent") == 4
                 # A pod that drops every request is not resent to forever: the request fails over (none left: 502).
-                dec.drops = 10
+                dec.drops, dec.again = 10, True
                 st, r, h = await post(http, router.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
                 assert st in (502, 503) and dec.drops == 8, (st, r, dec.drops)
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from llmd.router import upstream
+from llmd.engines import http_client
 
 P2PMode = Literal["hash", "two-hop"]
 
@@ -100,7 +100,7 @@ async def prefill_hop(
     result with kv_params None, never an exception: the caller falls back to decode-only."""
     t0 = time.monotonic()
     try:
-        async with await upstream.post(
+        async with await http_client.post(
             http, url, data=body, headers=headers, timeout=timeout, on_resend=on_resend
         ) as r:
             raw = await r.read()

@@ -35,11 +35,11 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from llmd.engines import http_client
 from llmd.errors import UserError
 from llmd.kv.index import KVIndex
 from llmd.metrics.schema import pd_path_of
 from llmd.router import pd as hops
-from llmd.router import upstream
 from llmd.router.admission import Admission, QueueFull
 from llmd.router.endpoints import EndpointRegistry, Pod, PodInfo
 from llmd.router.events import KVEventHub
@@ -283,7 +283,7 @@ class Router:
 
     async def start(self) -> Router:
         c = self.config
-        self.http = upstream.upstream_session(c.connect_timeout_s)
+        self.http = http_client.engine_session(c.connect_timeout_s)
         try:
             await self.registry.start(self.http)
             self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
@@ -850,7 +850,7 @@ class Router:
         pod = flight.target
         t0 = time.monotonic()
         try:
-            up = await upstream.post(
+            up = await http_client.post(
                 self.http,
                 pod.info.url + ctx.route,
                 data=payload,

@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from llmd.engines import http_client
 from llmd.metrics.schema import pd_path_of
 from llmd.metrics.writer import MetricsWriter
 from llmd.workload.profiles import Workload
@@ -439,7 +440,8 @@ class _Run:
         row["send_time"] = t_send
         ok = False
         try:
-            async with self.http.post(self.endpoint, data=json.dumps(body), headers=headers) as resp:
+            post = http_client.post(self.http, self.endpoint, data=json.dumps(body), headers=headers)
+            async with await post as resp:
                 self._headers(row, resp)
                 row["status"] = resp.status
                 if resp.status >= 400:
@@ -704,7 +706,9 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
         run = _Run(cfg, writer, prompts, stop)
         # Open loop and replay have no agent count to size the pool by: as many connections as requests in flight.
         limit = 0 if cfg.trace is not None or cfg.arrival_rate is not None else _connections(cfg)
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
+        # Idle connections closed before a vLLM server closes them (its 5 s keep-alive): `llmd bench` may point
+        # straight at one, and think time between turns is often longer than that.
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=http_client.KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
         progress = task_id = None
         if cfg.progress:

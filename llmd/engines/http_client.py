@@ -1,5 +1,5 @@
-"""The router's connections to its engines: one pooled HTTP session for every hop, and a POST that survives the
-engine closing an idle pooled connection under it.
+"""HTTP to engines, as the router and the load generator speak it: pooled connections kept idle for less time than
+the engines keep them, and a POST that survives the engine closing an idle pooled connection under it.
 
 vLLM's API server (uvicorn) closes a keep-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s) idle. A client
 that keeps idle connections longer will sometimes send a request on one the server is closing at that very moment:
@@ -18,10 +18,10 @@ import aiohttp
 
 # Below vLLM's 5 s (and far below aiohttp servers' 75 s), so the router closes an idle connection before the engine
 # does; reconnecting on 127.0.0.1 or a cluster fabric costs well under a millisecond.
-UPSTREAM_KEEPALIVE_S = 4.0
+KEEPALIVE_S = 4.0
 
 
-def upstream_session(connect_timeout_s: float, keepalive_s: float = UPSTREAM_KEEPALIVE_S) -> aiohttp.ClientSession:
+def engine_session(connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S) -> aiohttp.ClientSession:
     """The router's pooled session: no connection limit (admission control bounds the load), connection reuse
     (most of what keeps a hop cheap), bodies passed through as they come."""
     return aiohttp.ClientSession(
