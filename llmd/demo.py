@@ -61,6 +61,7 @@ class PolicyRun:
     out_dir: Path
     metrics: Path  # the run file: client, router and engine rows merged
     engine_hits: dict[str, float] = field(default_factory=dict)
+    preemptions: int | None = None  # from the engines' counters when they have no per-second series (vLLM)
     load: Any = None
 
 
@@ -185,18 +186,29 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
-async def _engine_counters(http: Any, urls: list[str]) -> dict[str, float]:
-    names = (
-        "vllm:prefix_cache_hits_total",
-        "vllm:prefix_cache_queries_total",
-        "vllm:external_prefix_cache_hits_total",
-    )
-    totals = dict.fromkeys(names, 0.0)
-    for url in urls:
-        async with http.get(url + "/metrics") as r:
-            text = await r.text()
-        for n in names:
-            totals[n] += _metric_sum(text, n)
+_COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+)
+
+
+async def _engine_counters(urls: list[str]) -> dict[str, float]:
+    """The engines' own counters summed over `urls` ({} if one cannot be read: the figures they feed are then left
+    out, not guessed)."""
+    import aiohttp
+
+    totals = dict.fromkeys(_COUNTERS, 0.0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for url in urls:
+                async with http.get(url + "/metrics") as r:
+                    text = await r.text()
+                for n in _COUNTERS:
+                    totals[n] += _metric_sum(text, n)
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
     return totals
 
 
@@ -204,7 +216,6 @@ async def _engine_counters(http: Any, urls: list[str]) -> dict[str, float]:
 
 
 async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, tokenizer: Any, run_id: str) -> None:
-    import aiohttp
 
     from llmd.engines.sim.server import SimEngineGroup
     from llmd.metrics import merge_runs
@@ -239,6 +250,7 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
     async with engines as group, contextlib.nullcontext() if vllm else _engine_series(group, parts, meta):
         async with Router(rcfg, group.pods if vllm else [_pod_of(s) for s in group.servers]) as router:
             await _until_ready(router, len(group))
+            before = await _engine_counters(group.urls)  # the run's counts exclude start-up's warm-up requests
             cfg = LoadConfig(
                 url=router.url,
                 model=spec.model.served_name,
@@ -258,12 +270,11 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
                 run.load = await run_load(cfg, stop)
             finally:
                 cutoff.cancel()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            try:
-                counters = await _engine_counters(http, group.urls)
-            except (aiohttp.ClientError, TimeoutError):
-                counters = {}
+        after = await _engine_counters(group.urls)
     merge_runs([p for p in parts.values() if p.exists()], run.metrics)
+    counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    if counters and vllm:  # vLLM's own count; simulated engines report theirs in their per-second series
+        run.preemptions = int(counters["vllm:num_preemptions_total"])
     if counters:
         queries = counters["vllm:prefix_cache_queries_total"]
         if queries > 0 and spec.kv.cpu_bytes > 0:  # a CPU tier: split the engines' hits by tier
@@ -347,7 +358,8 @@ def _report(spec: Any, runs: list[PolicyRun], out: Path, wall_s: float) -> None:
             continue
         df = read_requests(r.metrics)
         frames[r.policy] = df
-        s = summarize_frames(df, read_timeseries(r.metrics), label=r.policy)  # preemptions: the engines' series
+        # preemptions: the engines' per-second series (simulated), else their counters (vLLM)
+        s = summarize_frames(df, read_timeseries(r.metrics), label=r.policy, preemptions=r.preemptions)
         if r.engine_hits:
             s.hit_share_gpu, s.hit_share_cpu = r.engine_hits["gpu"], r.engine_hits["cpu"]
         summaries.append(s)

@@ -4,6 +4,7 @@ HDF5 holds a row for every request the decode server saw."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -41,6 +42,10 @@ def test_demo_on_real_vllm_servers(tmp_path: Path) -> None:
     )
     # Real P/D: the router sent prompts through the prefill server and the decode server pulled their KV.
     assert (client["pd_path"] == "pd").any(), client["pd_path"].value_counts().to_string()
+    # vLLM's own preemption counter over the run (no per-second series from real servers): the router's KV admission
+    # keeps what it sends a pod within the KV the pod reports, so nothing is preempted.
+    summary = json.loads((h5.parent / "summary.json").read_text())
+    assert summary["preemptions"] == 0, summary
     # Every request the decode server answered is a row (its access log, less the deployment's warm-up request).
     log = (h5.parent / "engines" / "decode-0.log").read_text(errors="replace")
     served = len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP/1\.1" 200', log)) - 1
