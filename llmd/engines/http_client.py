@@ -16,8 +16,8 @@ from typing import Any
 
 import aiohttp
 
-# Below vLLM's 5 s (and far below aiohttp servers' 75 s), so the router closes an idle connection before the engine
-# does; reconnecting on 127.0.0.1 or a cluster fabric costs well under a millisecond.
+# Below vLLM's 5 s (and far below aiohttp servers' 75 s), so llmd closes an idle connection before the engine does;
+# reconnecting on 127.0.0.1 or a cluster fabric costs well under a millisecond.
 KEEPALIVE_S = 4.0
 
 
@@ -48,8 +48,8 @@ async def post(
     **kw: Any,
 ) -> aiohttp.ClientResponse:
     """POST `url`; if the connection drops before any response (the engine closed the pooled connection as the
-    request went out), send it once more on another connection. The body is bytes, so resending is exact; an
-    engine that never saw the request loses nothing, and one that did only did work the router discards."""
+    request went out), send it once more on another connection. The body is in memory (bytes or str), so resending
+    is exact; an engine that never saw the request loses nothing, and one that did only did work nobody reads."""
     try:
         return await http.post(url, **kw)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
