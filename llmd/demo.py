@@ -216,7 +216,6 @@ async def _engine_counters(urls: list[str]) -> dict[str, float]:
 
 
 async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, tokenizer: Any, run_id: str) -> None:
-
     from llmd.engines.sim.server import SimEngineGroup
     from llmd.metrics import merge_runs
     from llmd.router.proxy import Router, RouterConfig

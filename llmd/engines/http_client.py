@@ -32,14 +32,6 @@ def engine_session(connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S) -
     )
 
 
-def _dropped(exc: BaseException) -> bool:
-    """The connection went away before a response began; a refused or unreachable connect is not that (it is the
-    pod being gone, and resending cannot help)."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return False
-    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
-
-
 async def post(
     http: aiohttp.ClientSession,
     url: str,
@@ -52,9 +44,9 @@ async def post(
     is exact; an engine that never saw the request loses nothing, and one that did only did work nobody reads."""
     try:
         return await http.post(url, **kw)
+    except aiohttp.ClientConnectorError:
+        raise  # refused or unreachable: the pod is gone, and sending again cannot help
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        if not _dropped(exc):
-            raise
         if on_resend is not None:
             on_resend(exc)
     return await http.post(url, **kw)

@@ -263,6 +263,7 @@ class Router:
         self.port = c.port
         self._endpoints: list[tuple[Endpoint, Pod, int]] = []
         self._endpoints_version = -1
+        self._prefill_pool = False  # any prefill pod registered, healthy or not; kept with _endpoints
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._models_cache: tuple[float, bytes] | None = None
@@ -345,6 +346,7 @@ class Router:
                     ep = Endpoint(info.name, r, info.role, info.url, info.dp_size, info.host)  # type: ignore[arg-type]
                     out.append((ep, pod, r))
             self._endpoints = out
+            self._prefill_pool = any(pod.info.role == "prefill" for pod in reg.pods.values())
             self._endpoints_version = reg.version
         return self._endpoints
 
@@ -761,9 +763,7 @@ class Router:
         if target.info.dp_size > 1:
             out_headers["x-llmd-dp-rank"] = str(rank)
         # The snapshot holds healthy pods only, so "" also means a prefill pool with none of it healthy.
-        pd_reason = d.pd_reason or (
-            "prefill-unhealthy" if any(p.info.role == "prefill" for p in self.registry.pods.values()) else ""
-        )
+        pd_reason = d.pd_reason or ("prefill-unhealthy" if self._prefill_pool else "")
         if pd_reason:
             out_headers["x-llmd-pd-reason"] = pd_reason
         payload = ctx.raw  # forwarded untouched unless a hop adds kv_transfer_params

@@ -440,8 +440,7 @@ class _Run:
         row["send_time"] = t_send
         ok = False
         try:
-            post = http_client.post(self.http, self.endpoint, data=json.dumps(body), headers=headers)
-            async with await post as resp:
+            async with await http_client.post(self.http, self.endpoint, data=json.dumps(body), headers=headers) as resp:
                 self._headers(row, resp)
                 row["status"] = resp.status
                 if resp.status >= 400:
