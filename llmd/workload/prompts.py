@@ -83,7 +83,10 @@ class PromptWriter:
         sys_, usr = {"role": "system", "content": "value"}, {"role": "user", "content": "data"}
         c = int(self._ns[VOCAB.index("value")]), int(self._ns[VOCAB.index("data")])
         self._init_cost = n([sys_, usr]) - c[0] - c[1]
-        ast, tool = {"role": "assistant", "content": "result"}, {"role": "tool", "content": "error"}
+        ast, tool = (
+            {"role": "assistant", "content": "result"},
+            {"role": "tool", "content": "error", "tool_call_id": _call_id(1)},
+        )
         self._step_cost = n([sys_, usr, ast, tool]) - n([sys_, usr]) - self._ns[VOCAB.index("result")]
         self._step_cost -= self._ns[VOCAB.index("error")]
         self._fork_cost = n([sys_, usr, usr]) - n([sys_, usr]) - c[1]
@@ -181,7 +184,11 @@ class PromptWriter:
                 messages = [
                     *messages,
                     {"role": "assistant", "content": prev.output_text},
-                    {"role": "tool", "content": self.text(tool, key + "/tool")},
+                    {
+                        "role": "tool",
+                        "content": self.text(tool, key + "/tool"),
+                        "tool_call_id": _call_id(turn.turn_index),
+                    },
                 ]
             prev = PromptTurn(turn, messages, self.text(turn.output_tokens, key + "/out"))
             yield prev
@@ -189,3 +196,9 @@ class PromptWriter:
     def count(self, messages: list[dict[str, Any]]) -> int:
         """The full tokenization (slow on large contexts; for checks)."""
         return len(self.tok.chat_token_ids(messages, add_generation_prompt=True))
+
+
+def _call_id(turn_index: int) -> str:
+    """A tool message's tool_call_id: the OpenAI schema requires one (sglang-router refuses a tool message without
+    it; vLLM's chat types require it too). Fixed width, so a chat template that renders it costs the same every turn."""
+    return f"call{turn_index:06d}"
