@@ -20,6 +20,7 @@ from llmd.router.scheduling import (
     RouteRequest,
     Scheduler,
     Snapshot,
+    Tuning,
     filters,
     text_chunk_hashes,
 )
@@ -480,8 +481,29 @@ def test_capacity_filter_skips_full_endpoints() -> None:
     h = blocks(20, 1)
     ix.store(A.holder, h)
     states = {A: EndpointState(inflight=64), B: IDLE}
-    d = Scheduler(spec(p2p=False)).schedule(request(h), snap(states), ix)
-    assert d.target == B and A not in d.scores and d.reason == "load"
+    d = Scheduler(spec(p2p=False), tuning=Tuning(holder_patience=False)).schedule(request(h), snap(states), ix)
+    assert d.target == B and A not in d.scores and d.reason == "load" and d.wait_s == 0
+
+
+def test_full_prefix_holder_is_waited_for_while_that_saves_prefill_time() -> None:
+    """Delay scheduling: the full holder stays the choice (with how long to wait for it) while the request has waited
+    less than the prefill time its hit saves; after that the request goes where there is room."""
+    ix = KVIndex()
+    h = blocks(50, 1)
+    saves = 50 * BS / 20_000  # the fallback cost model prefills 20K tokens/s
+    ix.store(A.holder, h)
+    states = {A: EndpointState(inflight=64), B: IDLE}
+    sched = Scheduler(spec(p2p=False))
+    d = sched.schedule(request(h), snap(states), ix, waited_s=0.0)
+    assert d.target == A and d.reason == "prefix-hit"
+    assert d.wait_s == pytest.approx(saves, rel=0.01)
+    d = sched.schedule(request(h), snap(states), ix, waited_s=saves / 4)
+    assert d.target == A and d.wait_s == pytest.approx(saves * 3 / 4, rel=0.01)
+    d = sched.schedule(request(h), snap(states), ix, waited_s=saves * 1.01)
+    assert d.target == B and d.wait_s == 0 and A not in d.scores
+    # A holder is waited for in the scheduler's own time units: engines simulated twice as fast wait half as long.
+    fast = Scheduler(spec(p2p=False), tuning=Tuning(time_scale=0.5))
+    assert fast.schedule(request(h), snap(states), ix).wait_s == pytest.approx(saves / 2, rel=0.01)
 
 
 # --- speculative co-location ----------------------------------------------------------------------------------------
@@ -684,9 +706,12 @@ def test_p2p_moves_off_an_overloaded_holder() -> None:
     assert d.target == B and d.p2p_source == A and d.reason == "p2p"
     assert d.p2p_tokens == 100 * BS and d.expected_hit_tokens == 100 * BS and d.gpu_hit_tokens == 0
     assert d.pd is None and d.pd_reason == "p2p"
-    # p2p off: still moved off (the holder is full), but recomputes
-    d = Scheduler(spec(p2p=False)).schedule(request([*h, 5]), snap(states), ix)
-    assert d.target == B and d.p2p_source is None and d.expected_hit_tokens == 0
+    # p2p off: the full holder is waited for while that saves prefill time; then moved off, recomputing
+    sched = Scheduler(spec(p2p=False))
+    d = sched.schedule(request([*h, 5]), snap(states), ix)
+    assert d.target == A and d.wait_s > 0
+    d = sched.schedule(request([*h, 5]), snap(states), ix, waited_s=d.wait_s + 0.01)
+    assert d.target == B and d.p2p_source is None and d.expected_hit_tokens == 0 and d.wait_s == 0
 
 
 def test_p2p_overloaded_by_queue_even_if_picker_keeps_the_holder() -> None:
@@ -866,9 +891,11 @@ def test_a_prefix_every_endpoint_holds_counts_as_cold_so_new_sessions_spread() -
 
 
 def test_kv_room_filter_keeps_what_fits() -> None:
-    cap = EndpointState(inflight=2, inflight_kv_tokens=900, kv_capacity_blocks=10)  # 900 of 10 x 64 = 640 tokens
+    # 10 blocks of 64 tokens, block 0 being vLLM's null block: 576 tokens of KV, allocated in whole blocks
+    cap = EndpointState(inflight=2, inflight_kv_tokens=900, kv_capacity_blocks=10)
     roomy = EndpointState(inflight=2, inflight_kv_tokens=100, kv_capacity_blocks=10)
-    assert not filters.kv_fits(cap, 1, BS) and filters.kv_fits(roomy, 540, BS) and not filters.kv_fits(roomy, 541, BS)
+    assert not filters.kv_fits(cap, 1, BS) and filters.kv_fits(roomy, 7 * BS, BS)
+    assert not filters.kv_fits(roomy, 7 * BS + 1, BS)  # an 8th block: 100 + 512 > 576
     assert filters.kv_fits(EndpointState(kv_capacity_blocks=1), 10_000, BS)  # idle: even a huge request goes
     assert filters.kv_fits(EndpointState(inflight=5, inflight_kv_tokens=10**9), 1, BS)  # capacity unknown
     assert [c.endpoint for c in filters.kv_room(cands((A, cap), (B, roomy)), 200, BS)] == [B]
@@ -890,6 +917,9 @@ def test_decode_target_is_never_given_more_kv_than_it_holds() -> None:
     full = dict(roomy)
     full[A] = EndpointState(inflight=3, inflight_kv_tokens=100 * BS - 100, kv_capacity_blocks=100)
     d = s.schedule(r, snap(full), ix)
+    # chosen, but to wait for: the caller holds the request while the prefill its hit saves outweighs the wait
+    assert d.target == A and d.wait_s > 0 and not filters.kv_fits(full[A], r.kv_tokens, BS)
+    d = s.schedule(r, snap(full), ix, waited_s=d.wait_s + 0.01)
     assert d.target != A and r.kv_tokens == 42 * BS + 256
 
 
@@ -941,3 +971,38 @@ def test_approximate_places_new_sessions_by_chunks_and_disaggregates_on_estimate
         s.observe_routed(r, d, float(k))
         targets.append(d.target)
     assert Counter(targets) == {ep("d0", "decode"): 2, ep("d1", "decode"): 2}
+
+
+# --- llm-d's affinity decode profile --------------------------------------------------------------------------------
+
+
+def test_affinity_filter_keeps_sticky_pods_until_their_queue_costs_more_than_the_penalty() -> None:
+    c = cands((A, IDLE), (B, IDLE), (C, IDLE))
+    assert filters.prefix_affinity(c, [0.9, 0.5, 0.85], 0.8, [0.0, 0.0, 0.0], 18.0) == [c[0], c[2]]
+    assert filters.prefix_affinity(c, [0.1, 0.5, 0.2], 0.8, [0.0, 0.0, 0.0], 18.0) == c  # nobody sticky: no-op
+    # the sticky pods' queued prefill would cost 20 s more than the idle one's: stickiness breaks
+    assert filters.prefix_affinity(c, [0.9, 0.5, 0.85], 0.8, [20.0, 0.0, 25.0], 18.0) == c
+    assert filters.prefix_affinity(c, [0.9, 0.5, 0.85], 0.8, [10.0, 0.0, 25.0], 18.0) == [c[0], c[2]]
+
+
+def test_affinity_profile_routes_among_holders_by_token_load() -> None:
+    """affinity_threshold 0.8 + token-load alone: of the two pods holding the whole prefix, the one with less
+    prefill queued gets the request; a pod holding a fifth of it is not considered however idle it is."""
+    ix = KVIndex()
+    h = blocks(50, 1)
+    ix.store(A.holder, h)
+    ix.store(B.holder, h)
+    ix.store(C.holder, h[:10])
+    cfg = spec(affinity_threshold=0.8, weights={"token-load": 1.0}, p2p=False)
+    states = {
+        A: EndpointState(inflight=3, inflight_tokens=30_000),
+        B: EndpointState(inflight=3, inflight_tokens=10_000),
+        C: IDLE,
+        D: IDLE,
+    }
+    d = Scheduler(cfg).schedule(request(h, session_id="s"), snap(states), ix)
+    assert d.target == B and set(d.scores) == {A, B}
+    # without the filter, token-load counts the prefill each pod would have with this request, its own uncached
+    # tokens included: the idle pod holding 10 of the 50 blocks (40 to compute) beats the idle one holding none
+    d = Scheduler(spec(weights={"token-load": 1.0}, p2p=False)).schedule(request(h, session_id="s"), snap(states), ix)
+    assert d.target == C

@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-_HEAD_TRIES = 4
+_HEAD_TRIES = 16
 
 
 class QueueFull(Exception):
@@ -79,7 +79,8 @@ class Admission:
         Requests wait while others wait (no overtaking the queue) or while nothing has room. `undo` gives back what a
         decision took when its request was cancelled between being chosen and resuming.
         """
-        if not self.waiting:
+        queued = self.waiting
+        if not queued:
             got = choose()
             if got is not None:
                 self.admitted += 1
@@ -94,6 +95,10 @@ class Admission:
             q = self._sessions[session] = deque()
         q.append(w)
         self.waiting += 1
+        if queued:
+            # Others wait, maybe for endpoints that are full while this one's is not (a request waits for the engine
+            # holding its prefix): give it its turn in the round now rather than at the next release.
+            self.pump()
         try:
             return await fut
         except asyncio.CancelledError:
@@ -118,8 +123,9 @@ class Admission:
     def pump(self) -> int:
         """Admit waiters, one per session in turn, while endpoints have room; returns how many were admitted.
 
-        A head that finds no room (one whose retry excludes the only endpoint with room) lets the next few sessions'
-        heads try before the pump gives up, so one constrained request cannot hold the queue.
+        A head that finds no room (one waiting for the engine that holds its prefix, or whose retry excludes the only
+        endpoint with room) lets the next sessions' heads try before the pump gives up, so one constrained request
+        cannot hold the queue.
         """
         n = 0
         sessions = self._sessions

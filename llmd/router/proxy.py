@@ -53,6 +53,7 @@ from llmd.router.scheduling import (
     RouteRequest,
     Scheduler,
     Snapshot,
+    Tuning,
     text_chunk_hashes,
 )
 from llmd.router.scheduling.filters import kv_fits
@@ -107,6 +108,11 @@ class RouterConfig:
     seed: int = 0
     metrics_out: str | None = None  # the router's own HDF5 (llmd.router.recorder); None: none
     metrics_meta: dict[str, Any] | None = None  # run metadata for that file (spec, run id, ...)
+    # The engines' cost model (llmd.perf.latency.LatencyModel of the decode / prefill pool; None: fixed token rates)
+    # and wall seconds per model second (simulated engines at engine.time_scale), for the scheduler's time estimates.
+    latency: Any = None
+    prefill_latency: Any = None
+    time_scale: float = 1.0
 
     @classmethod
     def from_router_spec(cls, r: Any, **overrides: Any) -> RouterConfig:
@@ -136,7 +142,9 @@ class RouterConfig:
             "hash_algo": m.hash_algo,
             "hash_seed": m.hash_seed,
             "seed": spec.workload.seed,
+            "time_scale": spec.engine.time_scale if spec.engine.kind == "sim" else 1.0,
         }
+        kw.update(_cost_models(spec))
         kw.update(overrides)
         return cls.from_router_spec(spec.router, **kw)
 
@@ -216,6 +224,7 @@ class _Ctx:
     excluded: set[str] = field(default_factory=set)
     no_kv_transfer: bool = False
     queue_s: float = 0.0
+    queued_at: float = 0.0  # when the current attempt started waiting for admission (monotonic)
     attempts: int = 0
     # What the recorder writes: the last attempt's decision and response headers, first byte, a mid-stream error.
     decision: Decision | None = None
@@ -248,7 +257,13 @@ class Router:
         self.index = KVIndex(max_entries=c.index_max_entries)
         self.hub = KVEventHub(self.index, replay_timeout_s=c.replay_timeout_s)
         settings = c.router_spec if c.router_spec is not None else _default_settings(c)
-        self.scheduler = scheduler or Scheduler(settings, c.seed)
+        self.scheduler = scheduler or Scheduler(
+            settings,
+            c.seed,
+            latency=c.latency,
+            prefill_latency=c.prefill_latency,
+            tuning=Tuning(time_scale=c.time_scale),
+        )
         self.admission = Admission(c.max_inflight_per_pod, c.queue_limit)
         self.metrics = RouterMetrics()
         self.metrics.add_collector(lambda: state_families(self.registry, self.admission, self.hub, self.index))
@@ -269,6 +284,7 @@ class Router:
         self._models_cache: tuple[float, bytes] | None = None
         self._tok_pool: ThreadPoolExecutor | None = None
         self._encodes_pending = 0
+        self._pump_timer: asyncio.TimerHandle | None = None
         # Approximate routing's characters per token: the tuning's guess, then learned from the engines' usage.
         self._chars_per_token = float(self.scheduler.tuning.chars_per_token)
         self.recorder: RouterRecorder | None = None
@@ -355,11 +371,20 @@ class Router:
         the KV in flight there that this request does not share (its prefix held once, however many requests hold
         it), so kv_fits(state, request's whole need) is exact."""
         hashes, unit, _ = kv
+        # What the request shares with requests in flight counts once only as far as the engine has it cached
+        # (kv_demand.InflightKV.shared_tokens): with block hashes, the index says how far that is per rank.
+        cached: dict[tuple[str, int], int] | None = None
+        if unit and hashes and self._needs_tokens:
+            cached = {m.holder: m.blocks_gpu for m in self.index.query(hashes)}
         states = {}
         for ep, pod, r in self._routable():
             if ep.pod in excluded:
                 continue
             st = pod.ranks[r]
+            shared = 0
+            if unit:
+                upto = len(hashes) if cached is None else cached.get(ep.holder, 0)
+                shared = st.kv.shared_tokens(hashes[:upto], unit) if upto else 0
             states[ep] = EndpointState(
                 healthy=True,
                 waiting=st.waiting,
@@ -367,7 +392,7 @@ class Router:
                 kv_usage=st.kv_usage,
                 inflight=st.inflight,
                 inflight_tokens=st.inflight_tokens,
-                inflight_kv_tokens=st.kv.tokens - (st.kv.shared_tokens(hashes, unit) if unit else 0),
+                inflight_kv_tokens=st.kv.tokens - shared,
                 kv_capacity_blocks=st.kv_capacity_blocks,
                 cpu_capacity_blocks=st.cpu_capacity_blocks,
             )
@@ -662,6 +687,7 @@ class Router:
     # -- admission
     async def _admit(self, ctx: _Ctx) -> _Flight:
         t0 = time.monotonic()
+        ctx.queued_at = t0
         flight = await self.admission.admit(ctx.session, lambda: self._choose(ctx), self._release)
         waited = time.monotonic() - t0
         ctx.queue_s += waited
@@ -676,7 +702,7 @@ class Router:
             unit = req.block_size
         else:  # text chunks: the tokens a chunk of characters holds, as far as the router knows
             unit = max(1, round(self.scheduler.tuning.chunk_chars / self._chars_per_token))
-        unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit)
+        unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit, req.block_size)
         kv = (hashes, unit, extra)
         snap = self._snapshot(ctx.excluded, kv)
         if ctx.excluded and not any(ep.role != "prefill" for ep in snap.states):
@@ -690,11 +716,13 @@ class Router:
                 raise NoEndpointError("no healthy decode endpoint")
             return None  # every one full (slots or KV): wait without paying for a scoring pass
         now = time.monotonic()
-        d = self.scheduler.schedule(req, snap, self.index, now)
+        d = self.scheduler.schedule(req, snap, self.index, now, waited_s=now - ctx.queued_at)
         target = self.registry.get(d.target.pod)
         if target is None:
             return None
         if not room(d.target.holder) or not kv_fits(snap.states[d.target], need, bs):
+            if d.wait_s > 0:  # waiting for the prefix holder: ask again when that stops paying, if nothing frees first
+                self._pump_in(d.wait_s)
             return None
         self.scheduler.observe_routed(req, d, now)
         uncached = max(0, req.num_tokens - d.expected_hit_tokens)
@@ -711,6 +739,21 @@ class Router:
                 self._take(pre, flight.prefill_rank, d.pd.uncached_tokens, flight.prefill_kv)
         self.metrics.decision(self.config.policy, d.reason, d.expected_hit_tokens)
         return flight
+
+    def _pump_in(self, delay_s: float) -> None:
+        """Run the admission queue again in `delay_s` (the earliest such time wins; releases pump it anyway)."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + delay_s + 0.001
+        h = self._pump_timer
+        if h is not None and not h.cancelled() and h.when() <= at:
+            return
+        if h is not None:
+            h.cancel()
+        self._pump_timer = loop.call_at(at, self._timed_pump)
+
+    def _timed_pump(self) -> None:
+        self._pump_timer = None
+        self.admission.pump()
 
     def _take(self, pod: Pod, rank: int, tokens: int, kv: tuple[Sequence[int], int, int]) -> None:
         st = pod.ranks[rank]
@@ -958,6 +1001,21 @@ class Router:
         h = {k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
         h.update(extra)
         return h
+
+
+def _cost_models(spec: Any) -> dict[str, Any]:
+    """The spec's latency models for the decode and prefill pools; none (fixed rates) when the spec's model has no
+    profile the latency model knows."""
+    from llmd.perf.latency import LatencyModel
+
+    try:
+        out = {"latency": LatencyModel.from_spec(spec, "decode")}
+        if spec.disaggregated:
+            out["prefill_latency"] = LatencyModel.from_spec(spec, "prefill")
+    except (ValueError, KeyError, OSError) as exc:
+        log.info("router: no latency model for %s (%s); fixed token rates", spec.model.path, exc)
+        return {}
+    return out
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

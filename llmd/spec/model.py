@@ -207,6 +207,16 @@ class RouterSpec(_Section):
     max_inflight_per_pod: int = Field(default=64, ge=1)
     queue_limit: int = Field(default=4096, ge=1)
     speculative_ttl_s: float = Field(default=2.0, ge=0)
+    affinity_threshold: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Prefix-cache affinity filter: route only among pods whose prefix score reaches this (llm-d's "
+        "decode profile: 0.8 with weights {token-load: 1}); 0: off.",
+    )
+    max_ttft_penalty_s: float = Field(
+        default=18.0, ge=0, description="Affinity filter's load gate: stop sticking when it costs this much TTFT."
+    )
 
     @field_validator("api_key_env")
     @classmethod

@@ -32,7 +32,9 @@ def kv_fits(state: EndpointState, need_tokens: int, block_size: int) -> bool:
     cap = state.kv_capacity_blocks
     if cap <= 0 or state.inflight <= 0:
         return True
-    return state.inflight_kv_tokens + need_tokens <= cap * block_size
+    # vLLM's num_gpu_blocks counts the null block (block 0), which never holds KV; blocks are allocated whole.
+    need = -(-need_tokens // block_size) * block_size if block_size > 0 else need_tokens
+    return state.inflight_kv_tokens + need <= (cap - 1) * block_size
 
 
 def kv_room(cands: Sequence[Candidate], need_tokens: int, block_size: int) -> list[Candidate]:
@@ -46,3 +48,18 @@ def routable(cands: Sequence[Candidate], hop: Hop) -> list[Candidate]:
     """healthy + role, in one pass (the hot path)."""
     roles = HOP_ROLES[hop]
     return [c for c in cands if c.state.healthy and c.endpoint.role in roles]
+
+
+def prefix_affinity(
+    cands: Sequence[Candidate], scores: Sequence[float], threshold: float, ttft_s: Sequence[float], max_penalty_s: float
+) -> list[Candidate]:
+    """llm-d's prefix-cache affinity filter: only the endpoints whose prefix score is >= `threshold` ("sticky"), if
+    any; all of them when none is, or when the best sticky endpoint's estimated TTFT (`ttft_s`, from its queued
+    prefill work) exceeds the best other one's by more than `max_penalty_s` (sticky until saturated)."""
+    sticky = [i for i, s in enumerate(scores) if s >= threshold]
+    if not sticky or len(sticky) == len(cands):
+        return list(cands)
+    rest = [i for i in range(len(cands)) if scores[i] < threshold]
+    if min(ttft_s[i] for i in sticky) - min(ttft_s[i] for i in rest) > max_penalty_s:
+        return list(cands)
+    return [cands[i] for i in sticky]

@@ -38,7 +38,10 @@ class InflightKV:
 
     def shared_tokens(self, hashes: Sequence[int], unit_tokens: int) -> int:
         """Tokens of `hashes`' leading units already held by requests in flight here. Chained hashes make holding
-        prefix-closed (a request holding unit k holds units 0..k-1), so a binary search finds the shared prefix."""
+        prefix-closed (a request holding unit k holds units 0..k-1), so a binary search finds the shared prefix.
+        The caller passes only the units the engine already has cached: requests admitted together compute a prefix
+        that is not yet cached each in blocks of its own (vLLM shares a block only once it is computed and cached),
+        so a burst of sub-agents forking a context the engine does not hold needs the context once per sub-agent."""
         refs = self._refs
         if not refs or not hashes or hashes[0] not in refs:
             return 0
@@ -66,11 +69,19 @@ class InflightKV:
         self._extra_tokens = max(0, self._extra_tokens - extra_tokens)
 
 
-def request_kv(hashes: Sequence[int], num_tokens: int, max_tokens: int, unit: int = 0) -> tuple[int, int]:
+def request_kv(
+    hashes: Sequence[int], num_tokens: int, max_tokens: int, unit: int = 0, block_size: int = 0
+) -> tuple[int, int]:
     """(tokens per hashed unit, tokens beyond the hashed units) of one request: its prompt's full blocks (`unit` =
     the block size) or text chunks (`unit` 0: the prompt's tokens spread over them) are `hashes`; the rest of the
-    prompt and its whole output are extra."""
+    prompt and its whole output are extra. With `block_size`, the extra is rounded up to whole blocks: the engine
+    allocates the prompt's partial last block and the output's blocks whole, and a few requests' partial blocks
+    are enough to preempt on a cache that holds only a few long requests."""
     if not hashes or num_tokens <= 0:
-        return 0, max(0, num_tokens) + max_tokens
+        return 0, _whole(max(0, num_tokens) + max_tokens, block_size)
     unit = unit or max(1, num_tokens // len(hashes))
-    return unit, max(0, num_tokens - unit * len(hashes)) + max_tokens
+    return unit, _whole(max(0, num_tokens - unit * len(hashes)) + max_tokens, block_size)
+
+
+def _whole(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size) * block_size if block_size > 0 else tokens

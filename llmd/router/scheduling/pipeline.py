@@ -9,6 +9,9 @@ pipeline over the prefill pool to choose the prefill endpoint). Policies:
   is absent (so the default weights work for both policies); no engine state, no speculative entries, no P2P.
 - round-robin, least-loaded (fewest in-flight + waiting), random: no scorers; the KV index (when given) still
   informs hit counts and the P/D decision.
+With RouterSpec.affinity_threshold > 0 the scoring policies first keep only the endpoints whose prefix score reaches
+it (llm-d's prefix-cache affinity filter, load-gated by max_ttft_penalty_s); llm-d's newer decode profile is that
+filter at 0.80 with the token-load scorer alone (`weights: {token-load: 1}`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from llmd.router.scheduling.scorers import (
     Scorer,
     ScoringContext,
     TokenLoadScorer,
+    prefix_scores,
 )
 from llmd.router.scheduling.speculative import SpeculativeIndex
 from llmd.router.scheduling.state import (
@@ -95,6 +99,11 @@ class Tuning:
     p2p_max_waiting: engine queue length at which a prefix holder counts as overloaded (besides being full).
     p2p_load_ratio: a P2P target's in-flight + waiting must be at most this share of the holder's.
     token_budget: tokens per chunked-prefill step (vLLM's max_num_batched_tokens), for the queue-aware estimates.
+    holder_patience: a prefix holder without room (slots or KV) stays a candidate while the request has waited less
+    than the prefill time its hit saves over the best endpoint with room (delay scheduling: waiting for the holder
+    beats recomputing the prefix elsewhere, and evicting other sessions' prefixes there to make room for it).
+    time_scale: wall seconds per model second (simulated engines may run faster or slower than real time), for
+    comparing model times with the wall-clock time a request has waited.
     """
 
     chunk_chars: int = 256
@@ -108,6 +117,8 @@ class Tuning:
     p2p_max_waiting: int = 16
     p2p_load_ratio: float = 0.5
     token_budget: int = 8192
+    holder_patience: bool = True
+    time_scale: float = 1.0
 
 
 class Scheduler:
@@ -137,6 +148,9 @@ class Scheduler:
         self.config = config
         self.tuning = t = tuning or Tuning()
         self.policy = config.policy
+        # llm-d's prefix-cache affinity filter (0: off) and its load gate.
+        self.affinity = float(getattr(config, "affinity_threshold", 0.0))
+        self.max_ttft_penalty_s = float(getattr(config, "max_ttft_penalty_s", 18.0))
         self.gpu_w = float(config.tier_weights.get("gpu", 1.0))
         self.cpu_w = float(config.tier_weights.get("cpu", 0.8))
         self.speculative = SpeculativeIndex(config.speculative_ttl_s, t.speculative_max_blocks)
@@ -192,24 +206,38 @@ class Scheduler:
     # --- scheduling ---------------------------------------------------------------------------------------------
 
     def schedule(
-        self, req: RouteRequest, snapshot: Snapshot, index: KVIndex | None = None, now: float = 0.0
+        self,
+        req: RouteRequest,
+        snapshot: Snapshot,
+        index: KVIndex | None = None,
+        now: float = 0.0,
+        waited_s: float = 0.0,
     ) -> Decision:
         """Choose the decode endpoint, and the prefill endpoint or P2P source if any. Raises NoEndpointError when no
         healthy decode-capable endpoint exists. Reads `index`; advances the scheduler's RNG and round-robin position
-        and notes the chosen endpoints' KV capacity (learning from the decision is `observe_routed`'s job)."""
+        and notes the chosen endpoints' KV capacity (learning from the decision is `observe_routed`'s job).
+        `waited_s`: how long the request has waited for room so far; a target without room comes with `wait_s`, how
+        much longer it is worth waiting for (the caller holds the request meanwhile and asks again)."""
         cfg = self.config
         role_ok = filters.routable(snapshot.candidates, "decode")
         if not role_ok:
             raise NoEndpointError("no healthy decode endpoint")
-        cands = role_ok
-        if self.tuning.capacity_filter:
-            cands = filters.has_capacity(cands, cfg.max_inflight_per_pod)
-            cands = filters.kv_room(cands, req.kv_tokens, req.block_size)
         ctx = ScoringContext(req, now, index)
         ctx.hits = hits = self._primary.hits(ctx)  # without an index: speculative entries alone
         by = hits.by_holder
         role_hits = [by.get(c.endpoint.holder) for c in role_ok]
         ctx.cold = self._cold(req, role_hits, hits.units)
+        cands = role_ok
+        patience: dict[Holder, float] = {}
+        if self.tuning.capacity_filter:
+            cands = filters.has_capacity(cands, cfg.max_inflight_per_pod)
+            cands = filters.kv_room(cands, req.kv_tokens, req.block_size)
+            if len(cands) < len(role_ok) and self.tuning.holder_patience and self.policy in _SCORING:
+                cands, patience = self._patient(req, role_ok, cands, by, waited_s)
+        if self.affinity > 0 and self.policy in _SCORING and len(cands) > 1:
+            ttft = [self.decode_model.prefill_time(c.state.inflight_tokens) * self.tuning.time_scale for c in cands]
+            scores = prefix_scores(hits, cands, self.gpu_w, self.cpu_w)
+            cands = filters.prefix_affinity(cands, scores, self.affinity, ttft, self.max_ttft_penalty_s)
 
         i, totals, parts = self._pick("decode", ctx, cands)
         target = cands[i]
@@ -230,6 +258,7 @@ class Scheduler:
         if req.num_tokens > 0:
             expected = min(expected, req.num_tokens)
 
+        wait_s = patience.get(target.endpoint.holder, 0.0)
         pd, pd_reason = (None, "p2p") if p2p else self._pd(req, snapshot, ctx, target, expected)
         self._capacity[target.endpoint.holder] = (target.state.kv_capacity_blocks, target.state.cpu_capacity_blocks)
         scores: dict[Endpoint, EndpointScore] = {}
@@ -247,7 +276,47 @@ class Scheduler:
             pd=pd,
             pd_reason=pd_reason,
             cold=bool(ctx.cold),
+            wait_s=wait_s,
         )
+
+    def _patient(
+        self,
+        req: RouteRequest,
+        role_ok: Sequence[Candidate],
+        room: Sequence[Candidate],
+        by: Mapping[Holder, PrefixHit],
+        waited_s: float,
+    ) -> tuple[list[Candidate], dict[Holder, float]]:
+        """`room` plus the endpoints without room whose cached prefix of this request still pays to wait for: the
+        prefill time the extra hit saves over the best endpoint with room, less what the request has waited already.
+        Sending it elsewhere recomputes that prefix there (and evicts other sessions' prefixes to hold it), while the
+        holder frees room as its requests finish. Returns the candidates and each waiting one's remaining patience."""
+        in_room = {c.endpoint for c in room}
+        if len(in_room) == len(role_ok):  # kv_room / has_capacity keep everyone when nobody has room
+            in_room = set()
+        best_room = max(
+            (h.tokens for c in room if c.endpoint in in_room if (h := by.get(c.endpoint.holder))), default=0
+        )
+        scale = self.tuning.time_scale
+        keep: list[Candidate] = []
+        patience: dict[Holder, float] = {}
+        for c in role_ok:
+            if c.endpoint in in_room:
+                keep.append(c)
+                continue
+            h = by.get(c.endpoint.holder)
+            saved = (h.tokens if h is not None else 0) - best_room
+            if saved <= 0:
+                if not in_room:
+                    keep.append(c)  # nobody has room: the caller waits whichever is chosen
+                continue
+            left = self.decode_model.prefill_time(saved, best_room) * scale - waited_s
+            if left > 0:
+                keep.append(c)
+                patience[c.endpoint.holder] = left
+            elif not in_room:
+                keep.append(c)
+        return keep, patience
 
     def _cold(self, req: RouteRequest, hop_hits: Sequence[PrefixHit | None], units: int) -> bool:
         """Nothing to stick to on this hop. Not only when no endpoint holds a prefix, but also when every endpoint

@@ -75,7 +75,8 @@ def _tier_norm(gpu_w: float, cpu_w: float) -> float:
     return max(1.0, gpu_w, cpu_w)
 
 
-def _prefix_scores(hits: PrefixHits, cands: Sequence[Candidate], gpu_w: float, cpu_w: float) -> list[float]:
+def prefix_scores(hits: PrefixHits, cands: Sequence[Candidate], gpu_w: float, cpu_w: float) -> list[float]:
+    """Each candidate's tier-weighted cached share of the request, in [0, 1]."""
     n = hits.units
     by = hits.by_holder
     if not n or not by:
@@ -136,7 +137,7 @@ class PrecisePrefixScorer:
         return out
 
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
-        return _prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+        return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
 
 
 class ApproximatePrefixScorer:
@@ -168,7 +169,7 @@ class ApproximatePrefixScorer:
         return out
 
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
-        return _prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+        return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
 
 
 class QueueScorer:
@@ -213,7 +214,9 @@ class LoadAwareScorer:
 
 
 class TokenLoadScorer:
-    """1 - min(1, in-flight uncached prompt tokens / `limit`): prefill work already sent there."""
+    """1 - min(1, (in-flight uncached prompt tokens + this request's uncached tokens there) / `limit`): the prefill
+    work an endpoint would have with this request, as llm-d's token-load scorer counts it. Cache warmth lowers a
+    request's cost on a warm endpoint in the same units as the load it is weighed against."""
 
     name = "token-load"
 
@@ -224,7 +227,14 @@ class TokenLoadScorer:
 
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
         lim = self.limit
-        return [1.0 - min(1.0, max(0, c.state.inflight_tokens) / lim) for c in cands]
+        n = max(0, ctx.req.num_tokens)
+        by = ctx.hits.by_holder if ctx.hits is not None else {}
+        out = []
+        for c in cands:
+            h = by.get(c.endpoint.holder)
+            own = n - h.tokens if h is not None else n
+            out.append(1.0 - min(1.0, (max(0, c.state.inflight_tokens) + max(0, own)) / lim))
+        return out
 
 
 class NoHitLRUScorer:

@@ -176,6 +176,8 @@ class Decision:
         "queue-aware") when taken; "below-threshold", "local-faster", "p2p", "prefill-unhealthy" (a prefill pool, none
         of it healthy) when not; "" when no prefill pool exists.
     cold: no candidate held any prefix (feeds the no-hit-LRU scorer through `Scheduler.observe_routed`).
+    wait_s: > 0 when the target has no room now (slots or KV) but holds enough of the prompt that waiting for it up
+        to this many more seconds beats computing the prompt elsewhere; the caller holds the request and asks again.
     """
 
     target: Endpoint
@@ -189,3 +191,4 @@ class Decision:
     pd: PDDecision | None = None
     pd_reason: str = ""
     cold: bool = False
+    wait_s: float = 0.0
