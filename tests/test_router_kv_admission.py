@@ -85,6 +85,9 @@ def test_inflight_kv_counts_a_shared_prefix_once() -> None:
     kv.remove(fork_b, *b)
     assert kv.tokens == 0 and kv.shared_tokens(fork_b, 16) == 0
     assert request_kv([], 0, 7) == (0, 7)
+    # In whole blocks, as the engine allocates them: the prompt's 5-token tail and 50 output tokens take 4 blocks.
+    assert request_kv(fork_a, 12 * 16 + 5, 50, 16, block_size=16) == (16, 64)
+    assert request_kv([], 0, 7, block_size=16) == (0, 16)
 
 
 def test_approximate_router_learns_characters_per_token_from_the_engine(model_dir: Path) -> None:

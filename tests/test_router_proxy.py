@@ -604,6 +604,35 @@ def test_fair_queueing_round_robins_sessions() -> None:
     run(body)
 
 
+def test_a_request_whose_endpoint_has_room_passes_requests_waiting_for_full_ones() -> None:
+    """A waiter held for the engine that holds its prefix (full now) does not hold back a newcomer whose choice has
+    room: the newcomer is admitted when it arrives, not at the next release."""
+
+    async def body() -> None:
+        adm = Admission(max_inflight=4, queue_limit=100)
+        full = {"holder"}
+        got: list[str] = []
+
+        def choose_for(target: str) -> Callable[[], str | None]:
+            return lambda: None if target in full else target
+
+        async def req(session: str, target: str) -> None:
+            got.append(await adm.admit(session, choose_for(target), lambda _: None))
+
+        waiting = asyncio.create_task(req("a", "holder"))
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 1 and not got
+        newcomer = asyncio.create_task(req("b", "other"))
+        await asyncio.sleep(0.01)
+        assert got == ["other"] and adm.waiting == 1  # admitted at once, past the waiter
+        full.clear()
+        adm.pump()  # the holder freed (a release, or the proxy's timer when patience runs out)
+        await asyncio.gather(waiting, newcomer)
+        assert got == ["other", "holder"] and adm.waiting == 0
+
+    run(body)
+
+
 def test_api_key_body_limit_and_malformed_requests(model_dir: Path) -> None:
     async def body() -> None:
         async with Servers() as sv, aiohttp.ClientSession() as http:
