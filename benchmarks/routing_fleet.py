@@ -1,0 +1,489 @@
+"""Routing under KV pressure: every policy over one fleet of simulated engines, the same agentic load, in one run.
+
+The regime precise routing is for: a fleet of 8 simulated engines (Llama-3.1-8B latency profile on H100, KV block 64,
+`llmd engine sim --all` in one process) whose KV caches are smaller than the agents' working set, long agentic
+sessions from llmd's workload generator (contexts growing to ~13K tokens over a shared system prompt, bursts of 4
+sub-agents forking a parent's context, rare resets), closed loop. Pressure = working set / fleet GPU KV, where the
+working set is the agents' mean live context (the KV that would keep every session's prefix cached); it is swept by
+sizing the engines' GPU KV (`kv.gpu_blocks`) for the same load, with and without a CPU tier (sized so the GPU and CPU
+tiers together hold 1.5x the working set).
+
+Policies, each behind the same fleet (engines restarted per run, so no run profits from another's cache; each run
+also has its own run salt): llmd precise (the spec's default weights), llmd precise-affinity (llm-d's newer decode
+profile: prefix-cache affinity filter at 0.80 + token-load scorer), llmd approximate, llmd round-robin, and the public
+peers sglang-router (cache_aware) and vllm-router (cache_aware, round_robin), installed from PyPI into a side venv
+(.venv-peers) by this script; a peer that cannot install is skipped, saying so.
+
+Per policy and level: hit share from the engines' own counters ((prefix cache hits + external hits) / queries over
+the run), req/s and TTFT p50/p90 from the client's rows, router queue p90 (llmd's rows; the peers do not say),
+preemptions from the engines' counter. Then the targets, each `name: value  # target ... (ratio R)`:
+- hit_vs_best_peer_at_pressure / req_per_s_vs_best_peer_at_pressure: precise over the best other policy, at the
+  highest level >= 1.3x (>= 1.15 and >= 1.2), without and with the CPU tier;
+- ttft_p90_vs_best_peer: the worst over levels of best other policy's TTFT p90 / precise's (>= 1);
+- precise_ge_all_levels: levels where precise's hit share and req/s are >= every other policy's (all of them);
+- preemptions_total: over every llmd run (0; the peers' count is printed beside it).
+A figure (hit share and TTFT p90 against pressure, a line per policy, one row per CPU-tier setting) goes to
+results/bench-routing-fleet/routing_fleet.png with the table as CSV beside it.
+
+`python benchmarks/routing_fleet.py` (about 30 minutes on 2 cores); `--quick`: two levels, no CPU tier, llmd's
+policies and sglang-router; `--policies a,b` / `--levels 1,2` / `--cpu-tier off|on|both` / `--duration S` narrow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from _report import free_port, info, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+
+ENGINES = 8
+BLOCK = 64
+MAX_MODEL_LEN = 16_384
+LEVELS = (0.5, 1.0, 1.5, 2.0)
+# Wall seconds per simulated second, engines and agents' tool gaps alike: the simulated fleet runs faster than real
+# time while the processes still have CPU to spare (checked by `# cpu_busy`); times are reported in simulated seconds.
+TIME_SCALE = 0.4
+# Named policies: (router, argument). "llmd" runs `llmd router --policy ARG`; "llmd-affinity" the same with llm-d's
+# affinity decode profile; "sglang" / "vllm-router" the peer binaries with `--policy ARG`.
+POLICIES: dict[str, tuple[str, str]] = {
+    "precise": ("llmd", "precise"),
+    "precise-affinity": ("llmd-affinity", "precise"),
+    "approximate": ("llmd", "approximate"),
+    "round-robin": ("llmd", "round-robin"),
+    "sglang-cache_aware": ("sglang", "cache_aware"),
+    "vllm-router-cache_aware": ("vllm-router", "cache_aware"),
+    "vllm-router-round_robin": ("vllm-router", "round_robin"),
+}
+PEER_PACKAGES = {"sglang": "sglang-router", "vllm-router": "vllm-router"}
+PEERS_VENV = ROOT / ".venv-peers"
+# The agents: long sessions over a shared system prompt, sub-agent bursts of 4, a few resets. Unscaled tokens.
+AGENTS = 40
+WORKLOAD_PARAMS: dict[str, Any] = {
+    "system_tokens": 2000,
+    "initial_p50": 4000,
+    "initial_p90": 6000,
+    "initial_p99": 8000,
+    "growth_p50": 700,
+    "growth_p90": 1400,
+    "growth_p99": 2500,
+    "output_p50": 120,
+    "output_p90": 300,
+    "output_p99": 600,
+    "gap_s_p50": 0.5,
+    "gap_s_p90": 2.0,
+    "gap_s_p99": 4.0,
+    "turns": 8,
+    "group_size": 4,
+    "subagent_turns": 3,
+    "subagent_task_p50": 300,
+    "subagent_task_p90": 600,
+    "subagent_share": 0.35,
+    "reset_p": 0.02,
+    "compaction_p": 0.0,
+    "max_context": 13_000,
+    "stagger_s": 2.0,
+}
+
+
+@dataclass
+class Result:
+    policy: str
+    level: float
+    cpu_tier: bool
+    hit_share: float = math.nan
+    req_per_s: float = math.nan
+    ttft_p50_s: float = math.nan
+    ttft_p90_s: float = math.nan
+    queue_p90_s: float = math.nan
+    preemptions: int = 0
+    requests: int = 0
+    errors: int = 0
+    first_error: str = ""
+    cpu_busy: float = math.nan  # busy cores over the run (of os.cpu_count())
+
+
+# --- the fleet -------------------------------------------------------------------------------------------------------
+def working_set_tokens() -> float:
+    """The agents' mean live context in tokens: per agent, the mean prompt of its first sessions' main turns."""
+    from llmd.workload.profiles import Workload, build_profile
+
+    prof = build_profile("trace-stats", concurrency=AGENTS, duration_s=60, params={**WORKLOAD_PARAMS, "agents": AGENTS})
+    w = Workload(prof, seed=0, salt="x")
+    sizes = []
+    for agent in range(AGENTS):
+        for k, plan in enumerate(w.agent_sessions(agent)):
+            sizes += [t.input_tokens for t in plan.turns]
+            if k >= 2:
+                break
+    return AGENTS * sum(sizes) / len(sizes)
+
+
+def spec_text(model: Path, port: int, router_port: int, gpu_blocks: int, cpu_bytes: int, seed: int) -> str:
+    return f"""name: routing-fleet
+model:
+  path: llama-3.1-8b
+  tokenizer: {model}
+  served_name: tiny
+  block_size: {BLOCK}
+  max_model_len: {MAX_MODEL_LEN}
+prefill:
+  nodes: 0
+decode:
+  nodes: {ENGINES}
+  replicas: {ENGINES}
+  port: {port}
+router:
+  port: {router_port}
+kv:
+  gpu_blocks: {gpu_blocks}
+  cpu_bytes: {cpu_bytes}
+engine:
+  gpu: H100-80GB
+  time_scale: {TIME_SCALE}
+workload:
+  profile: trace-stats
+  time_scale: {TIME_SCALE}
+  seed: {seed}
+  concurrency: {AGENTS}
+  params: {dict(WORKLOAD_PARAMS, agents=AGENTS)!r}
+"""
+
+
+def affinity_overlay(text: str) -> str:
+    """llm-d's newer decode profile: affinity filter at 0.80, then the token-load scorer alone."""
+    return text.replace("router:\n", "router:\n  affinity_threshold: 0.8\n  weights:\n    token-load: 1.0\n", 1)
+
+
+def peers_python() -> Path | None:
+    """The side venv's python with both peers installed (installing them the first time), or None."""
+    py = PEERS_VENV / "bin" / "python"
+    try:
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True, capture_output=True)
+        missing = [
+            pkg
+            for pkg in PEER_PACKAGES.values()
+            if subprocess.run([str(py), "-m", "pip", "show", "-q", pkg], capture_output=True).returncode != 0
+        ]
+        if missing:
+            subprocess.run(
+                [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *missing],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        info("peers", f"could not install {', '.join(PEER_PACKAGES.values())}: {exc} {err.decode()[-300:]}")
+        return None
+    return py
+
+
+def router_cmd(kind: str, arg: str, spec: Path, port: int, urls: list[str], peers: Path | None) -> list[str] | None:
+    if kind in ("llmd", "llmd-affinity"):
+        return [sys.executable, "-m", "llmd.cli", "router", "--spec", str(spec), "--policy", arg, "--port", str(port),
+                "--log-level", "WARNING"]  # fmt: skip
+    if peers is None:
+        return None
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", arg]
+    if kind == "sglang":
+        return [str(peers), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
+    return [str(peers.parent / "vllm-router"), *common, "--log-level", "warning"]
+
+
+async def engine_counters(urls: list[str]) -> dict[str, float]:
+    from llmd.demo import _engine_counters
+
+    got = await _engine_counters(urls)
+    if not got:
+        raise RuntimeError("could not read the engines' /metrics")
+    return got
+
+
+def stop(*procs: subprocess.Popen | None) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.terminate()
+    for p in procs:
+        if p is not None:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_one(
+    name: str, level: float, cpu_tier: bool, ws: float, model: Path, tmp: Path, duration: float, peers: Path | None
+) -> Result | None:
+    from llmd.engines.vllm_server import wait_healthy
+    from llmd.metrics import read_requests
+    from llmd.perf.latency import LatencyModel
+    from llmd.spec import load_spec
+
+    kind, arg = POLICIES[name]
+    res = Result(name, level, cpu_tier)
+    gpu_blocks = max(math.ceil(ws / (level * ENGINES * BLOCK)), MAX_MODEL_LEN // BLOCK + 8)
+    base = 10000 + (free_port() % 1500) * 10  # layout ports up to base + 3000 stay below the ephemeral range
+    router_port = free_port()
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(ENGINES)]
+    spec = tmp / f"{name}-{level}-{int(cpu_tier)}.yaml"
+    text = spec_text(model, base, router_port, gpu_blocks, 0, seed=7)
+    if cpu_tier:
+        # GPU + CPU tiers together hold 1.5x the working set.
+        kvb = LatencyModel.from_spec(load_spec(_write(spec, text)), "decode").kv_bytes_per_token_gpu
+        cpu_tokens = max(0.0, 1.5 * ws / ENGINES - gpu_blocks * BLOCK)
+        text = text.replace("cpu_bytes: 0", f"cpu_bytes: {int(cpu_tokens * kvb)}")
+    if kind == "llmd-affinity":
+        text = affinity_overlay(text)
+    _write(spec, text)
+    cmd = router_cmd(kind, arg, spec, router_port, urls, peers)
+    if cmd is None:
+        return None
+    logs = tmp / "logs"
+    logs.mkdir(exist_ok=True)
+    elog = open(logs / f"{spec.stem}-engines.log", "wb")  # noqa: SIM115 (closed below)
+    rlog = open(logs / f"{spec.stem}-router.log", "wb")  # noqa: SIM115
+    engines = router = None
+    try:
+        engines = subprocess.Popen(
+            [sys.executable, "-m", "llmd.cli", "engine", "sim", "--all", "--spec", str(spec), "--log-level", "WARNING"],
+            stdout=elog, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        for u in urls:
+            wait_healthy(u + "/health", engines, 60, name="llmd engine sim --all")
+        router = subprocess.Popen(cmd, stdout=rlog, stderr=subprocess.STDOUT, cwd=ROOT)
+        url = f"http://127.0.0.1:{router_port}"
+        wait_healthy(url + "/health", [engines, router], 60, name=f"router {name}")
+        time.sleep(2.0)  # health rounds and KV-event subscriptions
+        before = asyncio.run(engine_counters(urls))
+        out = tmp / "runs"
+        run = spec.stem
+        t0 = time.monotonic()
+        cpu0 = _cpu_seconds()
+        bench = subprocess.run(
+            [sys.executable, "-m", "llmd.cli", "bench", "--spec", str(spec), "--url", url, "--duration", str(duration),
+             "--output", str(out), "--run", run, "--no-progress", "--request-timeout", "120"],
+            cwd=ROOT, capture_output=True, timeout=duration + 300,
+        )  # fmt: skip
+        wall = time.monotonic() - t0
+        cpu_busy = _cpu_seconds() - cpu0
+        if bench.returncode != 0:
+            raise RuntimeError(f"llmd bench exited {bench.returncode}: {bench.stderr.decode()[-800:]}")
+        after = asyncio.run(engine_counters(urls))
+    finally:
+        stop(router, engines)
+        elog.close()
+        rlog.close()
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    q = d["vllm:prefix_cache_queries_total"]
+    res.hit_share = (d["vllm:prefix_cache_hits_total"] + d["vllm:external_prefix_cache_hits_total"]) / q if q else 0.0
+    res.preemptions = int(d["vllm:num_preemptions_total"])
+    df = read_requests(out / run / "metrics.h5")
+    df = df[df["source"] == "client"] if "source" in df else df
+    ok = df[(df["status"] == 200) & (df["error"].astype(str) == "")]
+    res.requests = len(df)
+    res.errors = len(df) - len(ok)
+    bad = df[~df.index.isin(ok.index)]
+    if len(bad):
+        res.first_error = f"{bad['status'].iloc[0]} {str(bad['error'].iloc[0])[:160]}"
+    res.req_per_s = len(ok) / wall * TIME_SCALE
+    res.ttft_p50_s = float(ok["ttft_s"].quantile(0.5)) / TIME_SCALE if len(ok) else math.nan
+    res.ttft_p90_s = float(ok["ttft_s"].quantile(0.9)) / TIME_SCALE if len(ok) else math.nan
+    qs = ok["router_queue_s"].dropna() if "router_queue_s" in ok else []
+    res.queue_p90_s = float(qs.quantile(0.9)) / TIME_SCALE if len(qs) else math.nan
+    res.cpu_busy = cpu_busy / wall
+    return res
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds the whole machine spent busy so far (/proc/stat), to tell a CPU-bound run from a fleet-bound one."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return math.nan
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --- the report ------------------------------------------------------------------------------------------------------
+def _fmt(v: float, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def print_row(r: Result) -> None:
+    tier = "cpu" if r.cpu_tier else "gpu"
+    key = f"{r.policy.replace('-', '_')}_{tier}_x{r.level:g}".replace(".", "_")
+    print(
+        f"# {key}: hit {_fmt(r.hit_share, '.3f')}  req/s {_fmt(r.req_per_s, '.1f')}  "
+        f"ttft p50 {_fmt(r.ttft_p50_s, '.2f')} s p90 {_fmt(r.ttft_p90_s, '.2f')} s  "
+        f"queue p90 {_fmt(r.queue_p90_s, '.2f')} s  preemptions {r.preemptions}  "
+        f"requests {r.requests} errors {r.errors} cpu {_fmt(r.cpu_busy, '.1f')}"
+        + (f" (first: {r.first_error})" if r.first_error else ""),
+        flush=True,
+    )
+
+
+def targets(results: list[Result]) -> None:
+    by: dict[tuple[bool, float], dict[str, Result]] = {}
+    for r in results:
+        by.setdefault((r.cpu_tier, r.level), {})[r.policy] = r
+    worst_ttft = math.inf
+    levels_ok = levels = 0
+    for tier in sorted({r.cpu_tier for r in results}):
+        suffix = "_cpu_tier" if tier else ""
+        pressured = sorted(lv for (t, lv) in by if t == tier and lv >= 1.3)
+        for (t, _lv), group in sorted(by.items()):
+            if t != tier or "precise" not in group or len(group) < 2:
+                continue
+            p = group["precise"]
+            others = [r for k, r in group.items() if k != "precise"]
+            levels += 1
+            levels_ok += all(p.hit_share >= o.hit_share and p.req_per_s >= o.req_per_s for o in others)
+            best_ttft = min(o.ttft_p90_s for o in others)
+            worst_ttft = min(worst_ttft, best_ttft / max(p.ttft_p90_s, 1e-9))
+        if pressured:
+            lv = pressured[-1]
+            group = by[(tier, lv)]
+            if "precise" in group and len(group) > 1:
+                p = group["precise"]
+                others = [r for k, r in group.items() if k != "precise"]
+                best_hit = max(o.hit_share for o in others)
+                best_rps = max(o.req_per_s for o in others)
+                info(f"pressure_level{suffix}", f"{lv:g}x working set / fleet KV")
+                report(f"hit_vs_best_peer_at_pressure{suffix}", p.hit_share / max(best_hit, 1e-9), 1.15, True)
+                report(f"req_per_s_vs_best_peer_at_pressure{suffix}", p.req_per_s / max(best_rps, 1e-9), 1.2, True)
+    if levels:
+        report("ttft_p90_vs_best_peer", worst_ttft, 1.0, True)
+        report("precise_ge_all_levels", levels_ok / levels, 1.0, True)
+    # llmd's own runs: the peers forward everything and leave KV admission to the engines (their count is context).
+    total = sum(r.preemptions for r in results if POLICIES[r.policy][0].startswith("llmd"))
+    peers = sum(r.preemptions for r in results if not POLICIES[r.policy][0].startswith("llmd"))
+    info("peer_preemptions_total", peers)
+    print(f"preemptions_total: {total}  # target <= 0 ({'met' if total == 0 else 'missed'})", flush=True)
+
+
+def figure(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiers = sorted({r.cpu_tier for r in results})
+    fig, axes = plt.subplots(len(tiers), 2, figsize=(11, 4 * len(tiers)), squeeze=False)
+    for row, tier in enumerate(tiers):
+        rs = [r for r in results if r.cpu_tier == tier]
+        for policy in POLICIES:
+            pts = sorted((r.level, r) for r in rs if r.policy == policy)
+            if not pts:
+                continue
+            xs = [lv for lv, _ in pts]
+            style = "-o" if policy.startswith(("precise", "approximate", "round")) else "--s"
+            axes[row][0].plot(xs, [r.hit_share for _, r in pts], style, label=policy)
+            axes[row][1].plot(xs, [r.ttft_p90_s for _, r in pts], style, label=policy)
+        tier_name = "GPU + CPU tier" if tier else "GPU only"
+        axes[row][0].set(xlabel="working set / fleet GPU KV", ylabel="hit share (engines' counters)",
+                         title=f"Prefix-cache hit share, {tier_name}", ylim=(0, 1))  # fmt: skip
+        axes[row][1].set(xlabel="working set / fleet GPU KV", ylabel="TTFT p90 (s)", yscale="log",
+                         title=f"TTFT p90, {tier_name}")  # fmt: skip
+        for ax in axes[row]:
+            ax.grid(True, alpha=0.3)
+        axes[row][0].legend(fontsize=8)
+    fig.suptitle(f"{ENGINES} simulated engines, {AGENTS} agents with sub-agent bursts, Llama-3.1-8B on H100")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="levels 0.5 and 2, no CPU tier, llmd's policies and sglang")
+    p.add_argument("--policies", help=f"comma-separated subset of {', '.join(POLICIES)}")
+    p.add_argument("--levels", help="comma-separated pressure levels (working set / fleet GPU KV)")
+    p.add_argument("--cpu-tier", choices=("off", "on", "both"), default="both")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per run")
+    p.add_argument("--out", default=str(ROOT / "results" / "bench-routing-fleet"))
+    p.add_argument("--keep", action="store_true", help="keep the runs' specs, logs and HDF5 files (in --out/work)")
+    a = p.parse_args(argv)
+    policies = list(POLICIES)
+    levels = list(LEVELS)
+    tiers = {"off": [False], "on": [True], "both": [False, True]}[a.cpu_tier]
+    if a.quick:
+        policies = ["precise", "approximate", "round-robin", "sglang-cache_aware"]
+        levels = [0.5, 2.0]
+        tiers = [False]
+    if a.policies:
+        policies = [s.strip() for s in a.policies.split(",")]
+        bad = [s for s in policies if s not in POLICIES]
+        if bad:
+            p.error(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    if a.levels:
+        levels = [float(s) for s in a.levels.split(",")]
+    peers = peers_python() if any(POLICIES[s][0] in PEER_PACKAGES for s in policies) else None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from llmd.models.tiny import make_tiny
+
+    ws = working_set_tokens()
+    info("working_set_tokens", f"{ws:,.0f} ({AGENTS} agents, {ENGINES} engines, block {BLOCK})")
+    results: list[Result] = []
+    keep = out / "work" if a.keep else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory(prefix="llmd-fleet-") as td:
+        tmp = Path(td)
+        model = tmp / "tiny"
+        make_tiny(model)
+        for tier in tiers:
+            for level in levels:
+                for name in policies:
+                    try:
+                        r = run_one(name, level, tier, ws, model, tmp, a.duration, peers)
+                    except Exception as exc:  # one broken run is reported; the others still measure
+                        info(f"{name}_x{level:g}", f"failed: {exc}")
+                        with contextlib.suppress(OSError):
+                            for log in sorted((tmp / "logs").glob("*.log"))[-2:]:
+                                print(f"#   {log.name}: {log.read_text()[-600:]!r}", flush=True)
+                        continue
+                    if r is None:
+                        info(name, "skipped: its router is not installed")
+                        continue
+                    results.append(r)
+                    print_row(r)
+    with open(out / "routing_fleet.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["policy", "cpu_tier", "pressure", "hit_share", "req_per_s", "ttft_p50_s", "ttft_p90_s",
+                    "router_queue_p90_s", "preemptions", "requests", "errors"])  # fmt: skip
+        for r in results:
+            w.writerow([r.policy, int(r.cpu_tier), r.level, r.hit_share, r.req_per_s, r.ttft_p50_s, r.ttft_p90_s,
+                        r.queue_p90_s, r.preemptions, r.requests, r.errors])  # fmt: skip
+    if results:
+        figure(results, out / "routing_fleet.png")
+        info("figure", out / "routing_fleet.png")
+        targets(results)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
