@@ -373,12 +373,11 @@ class Router:
         hashes, unit, _ = kv
         # What the request shares with requests in flight counts once only as far as the engine has it cached
         # (kv_demand.InflightKV.shared_tokens): with block hashes, the index says how far that is per rank.
+        # Text chunks (approximate): its memory of what it sent is no proof of what the engine holds (that guess let
+        # bursts through that preempted), so nothing counts as shared.
         cached: dict[tuple[str, int], int] | None = None
         if unit and hashes:
-            if self._needs_tokens:
-                cached = {m.holder: m.blocks_gpu for m in self.index.query(hashes)}
-            else:  # text chunks: as far as the approximate scorer believes each endpoint holds them
-                cached = {h: gpu for h, (_, gpu) in self.scheduler.approx_cache.matches(hashes).items()}
+            cached = {m.holder: m.blocks_gpu for m in self.index.query(hashes)} if self._needs_tokens else {}
         states = {}
         for ep, pod, r in self._routable():
             if ep.pod in excluded:
