@@ -14,6 +14,9 @@ profile: prefix-cache affinity filter at 0.80 + token-load scorer), llmd approxi
 peers sglang-router (cache_aware) and vllm-router (cache_aware, round_robin), installed from PyPI into a side venv
 (.venv-peers) by this script; a peer that cannot install is skipped, saying so.
 
+The peers run with their default settings (cache_aware balances load only past 64 requests of imbalance between
+workers), as a user would first run them.
+
 Per policy and level: hit share from the engines' own counters ((prefix cache hits + external hits) / queries over
 the run), req/s and TTFT p50/p90 from the client's rows, router queue p90 (llmd's rows; the peers do not say),
 preemptions from the engines' counter. Then the targets, each `name: value  # target ... (ratio R)`:
@@ -25,7 +28,7 @@ preemptions from the engines' counter. Then the targets, each `name: value  # ta
 A figure (hit share and TTFT p90 against pressure, a line per policy, one row per CPU-tier setting) goes to
 results/bench-routing-fleet/routing_fleet.png with the table as CSV beside it.
 
-`python benchmarks/routing_fleet.py` (about 30 minutes on 2 cores); `--quick`: two levels, no CPU tier, llmd's
+`python benchmarks/routing_fleet.py` (about 20 minutes on 2 cores); `--quick`: two levels, no CPU tier, llmd's
 policies and sglang-router; `--policies a,b` / `--levels 1,2` / `--cpu-tier off|on|both` / `--duration S` narrow it.
 """
 
