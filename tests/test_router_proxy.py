@@ -1036,3 +1036,21 @@ def test_engine_gauges_include_kv_capacity_from_cache_config_info() -> None:
         "vllm:unrelated_total 5.0\n"
     )
     assert parse_engine_gauges(text) == [(1, "kv_capacity_blocks", 2400.0), (1, "waiting", 2.0), (0, "kv_usage", 0.25)]
+
+
+def test_waiting_for_a_holder_reruns_the_queue_when_the_patience_runs_out() -> None:
+    """The proxy's pump timer: the earliest asked-for time wins, and the queue runs once then even if nothing frees."""
+
+    async def body() -> None:
+        router = Router(RouterConfig())
+        pumps: list[float] = []
+        router.admission.pump = lambda: pumps.append(time.monotonic()) or 0  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        router._pump_in(0.3)
+        router._pump_in(0.05)  # earlier: replaces the 0.3 s timer
+        router._pump_in(0.2)  # later than the pending one: ignored
+        await asyncio.sleep(0.4)
+        assert len(pumps) == 1 and 0.04 <= pumps[0] - t0 < 0.25
+        await router.stop()
+
+    run(body)
