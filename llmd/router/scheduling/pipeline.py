@@ -233,7 +233,7 @@ class Scheduler:
             cands = filters.has_capacity(cands, cfg.max_inflight_per_pod)
             cands = filters.kv_room(cands, req.kv_tokens, req.block_size)
             if len(cands) < len(role_ok) and self.tuning.holder_patience and self.policy in _SCORING:
-                cands, patience = self._patient(req, role_ok, cands, by, waited_s)
+                cands, patience = self._patient(role_ok, cands, by, waited_s)
         if self.affinity > 0 and self.policy in _SCORING and len(cands) > 1:
             ttft = [self.decode_model.prefill_time(c.state.inflight_tokens) * self.tuning.time_scale for c in cands]
             scores = prefix_scores(hits, cands, self.gpu_w, self.cpu_w)
@@ -281,22 +281,18 @@ class Scheduler:
 
     def _patient(
         self,
-        req: RouteRequest,
         role_ok: Sequence[Candidate],
         room: Sequence[Candidate],
         by: Mapping[Holder, PrefixHit],
         waited_s: float,
     ) -> tuple[list[Candidate], dict[Holder, float]]:
-        """`room` plus the endpoints without room whose cached prefix of this request still pays to wait for: the
-        prefill time the extra hit saves over the best endpoint with room, less what the request has waited already.
-        Sending it elsewhere recomputes that prefix there (and evicts other sessions' prefixes to hold it), while the
-        holder frees room as its requests finish. Returns the candidates and each waiting one's remaining patience."""
+        """`room` (a strict subset of `role_ok`: called only when some endpoint lacks room and another has it) plus
+        the endpoints without room whose cached prefix of this request still pays to wait for: the prefill time the
+        extra hit saves over the best endpoint with room, less what the request has waited already. Sending it
+        elsewhere recomputes that prefix there (and evicts other sessions' prefixes to hold it), while the holder
+        frees room as its requests finish. Returns the candidates and each waiting one's remaining patience."""
         in_room = {c.endpoint for c in room}
-        if len(in_room) == len(role_ok):  # kv_room / has_capacity keep everyone when nobody has room
-            in_room = set()
-        best_room = max(
-            (h.tokens for c in room if c.endpoint in in_room if (h := by.get(c.endpoint.holder))), default=0
-        )
+        best_room = max((h.tokens for c in room if (h := by.get(c.endpoint.holder))), default=0)
         scale = self.tuning.time_scale
         keep: list[Candidate] = []
         patience: dict[Holder, float] = {}
@@ -307,15 +303,11 @@ class Scheduler:
             h = by.get(c.endpoint.holder)
             saved = (h.tokens if h is not None else 0) - best_room
             if saved <= 0:
-                if not in_room:
-                    keep.append(c)  # nobody has room: the caller waits whichever is chosen
                 continue
             left = self.decode_model.prefill_time(saved, best_room) * scale - waited_s
             if left > 0:
                 keep.append(c)
                 patience[c.endpoint.holder] = left
-            elif not in_room:
-                keep.append(c)
         return keep, patience
 
     def _cold(self, req: RouteRequest, hop_hits: Sequence[PrefixHit | None], units: int) -> bool:
