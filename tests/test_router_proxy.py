@@ -726,6 +726,39 @@ def test_failure_after_streaming_began_ends_the_stream_with_an_error_event(model
     run(body)
 
 
+def test_client_hanging_up_mid_stream_aborts_the_engine_request_quietly(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client may close as soon as it has what it wants: the router logs no server error for it, aborts the
+    engine's request (its KV is freed) and serves the next request as usual."""
+
+    async def body() -> None:
+        async with Servers() as sv, aiohttp.ClientSession() as http:
+            s = await sv.start(engine(model_dir, "e0", time_scale=40.0))
+            async with Router(rconfig(model_dir), [pod_of(s)]) as router:
+                req = {"prompt": "hang up on me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                resp = await http.post(router.url + "/v1/completions", json=req)
+                assert resp.status == 200
+                assert (await resp.content.readany()).startswith(b"data: {")
+                resp.close()  # the client goes away mid-stream
+
+                async def engine_running() -> float:
+                    return metric(await metric_text(http, s.url), "vllm:num_requests_running")
+
+                t0 = time.monotonic()
+                while await engine_running() > 0:
+                    assert time.monotonic() - t0 < 5.0, "the engine kept decoding for a client that left"
+                    await asyncio.sleep(0.05)
+                text = await metric_text(http, router.url)
+                assert metric(text, "llmd_router_pod_inflight", pod="e0") == 0
+                st, data, _ = await post(http, router.url + "/v1/completions", {"prompt": "next", "max_tokens": 2})
+                assert st == 200 and data["choices"][0]["text"] is not None
+
+    with caplog.at_level("ERROR", logger="aiohttp.server"):
+        run(body)
+    assert not [r for r in caplog.records if r.name == "aiohttp.server"], caplog.text
+
+
 # ---- discovery -------------------------------------------------------------------------------------------------------
 
 

@@ -941,29 +941,37 @@ class Router:
             self.metrics.first_byte_time.observe(dt)
             out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
             resp = web.StreamResponse(status=200, headers=self._response_headers(up, out_headers))
-            await resp.prepare(request)
-            await resp.write(first)
-            if ctx.text_chars:
-                self._calibrate(ctx, first)
             try:
-                while True:
-                    chunk = await up.content.readany()
-                    if not chunk:
-                        break
-                    await resp.write(chunk)
-                    if ctx.text_chars:
-                        self._calibrate(ctx, chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
-                log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
-                self.metrics.error(ctx.route, "stream_broken")
-                ctx.error = f"engine {pod.name} failed mid-stream: {exc}"
-                err = {"error": {"message": f"engine {pod.name} failed mid-stream", "type": "InternalServerError",
-                                 "param": None, "code": 500}}  # fmt: skip
-                await resp.write(b"data: " + _json_encode(err) + b"\n\ndata: [DONE]\n\n")
-            else:
-                done = True
-            await resp.write_eof()
+                await resp.prepare(request)
+                await resp.write(first)
+                if ctx.text_chars:
+                    self._calibrate(ctx, first)
+                try:
+                    while True:
+                        chunk = await up.content.readany()
+                        if not chunk:
+                            break
+                        await resp.write(chunk)
+                        if ctx.text_chars:
+                            self._calibrate(ctx, chunk)
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
+                    log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
+                    self.metrics.error(ctx.route, "stream_broken")
+                    ctx.error = f"engine {pod.name} failed mid-stream: {exc}"
+                    err = {"error": {"message": f"engine {pod.name} failed mid-stream", "type": "InternalServerError",
+                                     "param": None, "code": 500}}  # fmt: skip
+                    await resp.write(b"data: " + _json_encode(err) + b"\n\ndata: [DONE]\n\n")
+                else:
+                    done = True
+                await resp.write_eof()
+            except ConnectionResetError:
+                # The client hung up (a client may close as soon as it has read `data: [DONE]`, before the chunked
+                # stream's last frame): nothing is left to send it. Unless the engine had finished, closing the
+                # upstream connection below aborts the request there and frees its KV.
+                if not done:
+                    ctx.error = ctx.error or "client closed the connection before the stream ended"
+                log.debug("request %s: client closed the stream", ctx.request_id)
             return resp
         finally:
             # A finished response gives its connection back to the pool; anything else closes it, which is also
