@@ -35,10 +35,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from llmd.engines import http_client
 from llmd.errors import UserError
 from llmd.kv.index import KVIndex
 from llmd.metrics.schema import pd_path_of
+from llmd.net import http_client
 from llmd.router import pd as hops
 from llmd.router.admission import Admission, QueueFull
 from llmd.router.endpoints import EndpointRegistry, Pod, PodInfo
