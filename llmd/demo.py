@@ -133,7 +133,7 @@ def _model_dir(spec: Any, from_file: bool) -> Path:
 
 def _engine_configs(spec: Any, model_dir: Path) -> list[Any]:
     """One SimServerConfig per replica of every pool, on free ports (the layout's names and roles)."""
-    from llmd.engines.sim.server import SimServerConfig
+    from llmd.engines.sim.server_config import SimServerConfig
     from llmd.spec.layout import engine_endpoints
 
     configs = []
