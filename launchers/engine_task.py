@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from launchers.discovery import DISCOVERY_FILE, append_entry, entry_for
+from llmd.engines.kinds import engine_kind
 from llmd.engines.vllm_server import EngineStartError, stop_process_group, wait_healthy
 from llmd.errors import UserError
 from llmd.metrics.run_files import engine_metrics_path
@@ -55,7 +56,7 @@ def sim_command(spec_path: Path, role: str, ep: EngineEndpoint, node: str) -> li
 
 def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
     spec = load_spec(spec_path)
-    if spec.engine.kind != "sim":
+    if engine_kind(spec.engine.kind).needs_fabric:
         raise UserError(f"engine.kind {spec.engine.kind!r} is started by llmd.fabric; this starter runs sim engines")
     pool = spec.pools.get(role)
     if pool is None:

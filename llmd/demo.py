@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmd.engines.kinds import ENGINE_KINDS, engine_kind
 from llmd.errors import UserError
 
 COMPARE_POLICIES = ("precise", "approximate", "round-robin")
@@ -96,12 +97,8 @@ def _load_spec(args: argparse.Namespace) -> Any:
                 "kv": spec.kv.model_copy(update=DEMO_KV),
             }
         )
-    if (getattr(args, "engine", None) or spec.engine.kind) == "vllm":
-        from llmd.engines.vllm_deploy import demo_spec  # real vLLM CPU servers: 1 prefill + 1 decode when embedded
-
-        spec = demo_spec(spec, embedded=not args.spec)
-    elif spec.engine.kind != "sim":
-        raise UserError(f"`llmd demo` runs simulated engines; the spec says engine.kind {spec.engine.kind!r}")
+    # vllm: real vLLM CPU servers, 1 prefill + 1 decode when embedded; sim: the spec as it is.
+    spec = engine_kind(getattr(args, "engine", None) or spec.engine.kind).demo_spec(spec, not args.spec)
     workload = spec.workload.model_dump()
     if args.short:
         workload.update(profile="smoke", duration_s=args.duration or SHORT_DURATION_S)
@@ -133,7 +130,7 @@ def _model_dir(spec: Any, from_file: bool) -> Path:
 
 def _engine_configs(spec: Any, model_dir: Path) -> list[Any]:
     """One SimServerConfig per replica of every pool, on free ports (the layout's names and roles)."""
-    from llmd.engines.sim.server import SimServerConfig
+    from llmd.engines.sim.server_config import SimServerConfig
     from llmd.spec.layout import engine_endpoints
 
     configs = []
@@ -239,7 +236,7 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
     )
     stop = asyncio.Event()
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    vllm = spec.engine.kind == "vllm"
+    vllm = not engine_kind(spec.engine.kind).simulated
     if vllm:  # real vLLM CPU servers (llmd.engines.vllm_deploy); their own series are their /metrics
         from llmd.engines.vllm_deploy import VllmDeployment
 
@@ -399,7 +396,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--short", action="store_true", help="a few seconds of the smoke profile (CI)")
     p.add_argument(
         "--engine",
-        choices=("sim", "vllm"),
+        choices=sorted(ENGINE_KINDS),
         help="simulated engines, or real vLLM CPU servers (the embedded deployment: 1 prefill + 1 decode over NIXL, "
         "~2 min of start-up); default: the spec's engine.kind",
     )

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.launch.prepare import absolute_spec, check_launchable
 from llmd.spec import dump_spec
@@ -68,7 +69,7 @@ def _prepare(sweep: Sweep, root: Path) -> tuple[list[str], list[str]]:
     for v in sweep.variants:
         spec = absolute_spec(v.spec, Path.cwd())
         check_launchable(spec)
-        if spec.engine.kind != "sim":
+        if not engine_kind(spec.engine.kind).simulated:
             raise UserError(
                 f"variant {v.index}: sweeps run simulated deployments (engine.kind sim); it says {spec.engine.kind}"
             )

@@ -15,7 +15,8 @@ from netutil import DroppingSimServer, run
 
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.runner import FaultConfig
-from llmd.engines.sim.server import SimServer, SimServerConfig
+from llmd.engines.sim.server import SimServer
+from llmd.engines.sim.server_config import SimServerConfig
 from llmd.metrics import read_requests, read_timeseries
 from llmd.spec.model import WorkloadSpec
 from llmd.tokens import Tokenizer

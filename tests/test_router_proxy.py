@@ -25,7 +25,8 @@ from netutil import run as run_bounded
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.publisher import KVEventPublisher
 from llmd.engines.sim.runner import FaultConfig
-from llmd.engines.sim.server import SimServer, SimServerConfig
+from llmd.engines.sim.server import SimServer
+from llmd.engines.sim.server_config import SimServerConfig
 from llmd.errors import UserError
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from llmd.kv.index import KVIndex

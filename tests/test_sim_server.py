@@ -16,7 +16,8 @@ from netutil import free_ports, run
 
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.runner import FaultConfig
-from llmd.engines.sim.server import SimEngineGroup, SimServer, SimServerConfig, default_latency
+from llmd.engines.sim.server import SimEngineGroup, SimServer
+from llmd.engines.sim.server_config import SimServerConfig, default_latency
 from llmd.engines.sim.tokenizer import SimTokenizer
 from llmd.kv.events import BlockStored, KVEventDecoder, is_replay_end, replay_request
 from llmd.kv.hashing import BlockHasher

@@ -442,3 +442,16 @@ def test_cli_show_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_python_tags_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="without !! tags"):
         load_spec(write(tmp_path, "name: !!python/object/apply:os.system [ls]\n"))
+
+
+def test_spec_literals_match_the_registries() -> None:
+    # The spec keeps its Literals (pydantic's validation and messages); each registry entry must be one of them and
+    # each of them must have an entry, so adding a kind or profile is one registration plus one Literal value.
+    from typing import get_args
+
+    from llmd.engines.kinds import ENGINE_KINDS
+    from llmd.spec.model import EngineKind, WorkloadProfile
+    from llmd.workload.profiles import PROFILE_BUILDERS, REPLAY_PROFILE
+
+    assert set(get_args(EngineKind)) == set(ENGINE_KINDS)
+    assert set(get_args(WorkloadProfile)) == {*PROFILE_BUILDERS, REPLAY_PROFILE}

@@ -206,11 +206,13 @@ def test_tokenizer_equals_transformers(model_dir: Path, tok: Tokenizer) -> None:
 
 
 def test_sim_engine_uses_the_shared_code(tok: Tokenizer) -> None:
-    from llmd.engines.sim import openai_protocol, tokenizer
+    from llmd.engines.sim import tokenizer
+    from llmd.engines.sim.openai.errors import APIError
+    from llmd.engines.sim.openai.messages import conversation
 
     assert tokenizer.SimTokenizer is Tokenizer
-    with pytest.raises(openai_protocol.APIError) as err:
-        openai_protocol.conversation([{"role": "assistant", "tool_calls": [{"type": "x", "function": {}}]}])
+    with pytest.raises(APIError) as err:
+        conversation([{"role": "assistant", "tool_calls": [{"type": "x", "function": {}}]}])
     assert err.value.code == 400 and err.value.param == "tool_calls"
     with pytest.raises(ChatMessageError):
         normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 from llmd.metrics.run_files import engine_metrics_path
@@ -213,7 +214,7 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
     started: list[tuple[EngineProcess, subprocess.Popen, Path]] = []
     try:
         for proc in plan.processes:
-            if spec.engine.kind == "sim" and proc.health_url is not None:
+            if engine_kind(spec.engine.kind).streams_metrics and proc.health_url is not None:
                 # Each simulated engine streams its per-second series into the run folder's engine files.
                 proc = replace(proc, argv=[*proc.argv, "--metrics-out", str(engine_metrics_path(run_dir, proc.name))])
             child, log = _start(proc, log_dir)

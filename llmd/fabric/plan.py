@@ -1,9 +1,8 @@
 """What each node of an engine component runs: a pure function of the spec, the role and the component's node list.
 
-Node k of the `role` pool belongs to replica k // nodes_per_replica (its node k % nodes_per_replica). For
-engine.kind vllm the processes are `llmd.engines.vllm.vllm_launches` with the placeholders resolved (a replica's head
-address is the address of its first node; NODE_ADDRESS is the node's own); for engine.kind sim one `llmd engine sim`
-server per replica, on the replica's first node, runs all the replica's DP ranks. Ports come from llmd.spec.layout.
+Node k of the `role` pool belongs to replica k // nodes_per_replica (its node k % nodes_per_replica). Which processes
+run where is the engine kind's (its `place`, llmd.engines.kinds): for vllm, llmd/engines/vllm_kind.py; for the
+simulated engine, llmd/engines/sim_kind.py. Ports come from llmd.spec.layout.
 Each process that serves HTTP carries the discovery entries (llmd.router.endpoints format) to publish once healthy.
 """
 
@@ -13,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmd.engines.vllm import NODE_ADDRESS, LaunchMode, dp_local, head_placeholder, vllm_launches
+from llmd.engines.kinds import engine_kind
+from llmd.engines.vllm import NODE_ADDRESS, LaunchMode, dp_local
 from llmd.errors import UserError
 from llmd.spec.layout import EngineEndpoint, engine_endpoints
-from llmd.spec.model import DeploymentSpec
+from llmd.spec.model import DeploymentSpec, PoolSpec
 
 ROLES = ("prefill", "decode")
 
@@ -51,7 +51,40 @@ class NodePlan:
         return [p.http_port for p in self.processes if p.http_port is not None]
 
 
-def _resolve(text: str, heads: dict[str, str], node_address: str) -> str:
+@dataclass
+class Placement:
+    """One pool's nodes as plan_nodes lays them out; an engine kind's `place` fills `procs` and `ranks` per node."""
+
+    spec: DeploymentSpec
+    role: str
+    pool: PoolSpec
+    eps: list[EngineEndpoint]
+    nodes: list[str]
+    addresses: list[str]
+    per_replica: int  # nodes per replica: node k is replica k // per_replica
+    local: int  # DP ranks per node
+    spec_path: str
+    python: str
+    mode: LaunchMode
+    procs: dict[int, list[EngineProcess]] = field(default_factory=dict)
+    ranks: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.procs = {k: [] for k in range(len(self.nodes))}
+        self.ranks = {k: [] for k in range(len(self.nodes))}
+
+    def rank_hosts(self, replica: int) -> list[str]:
+        """The address each DP rank of a replica runs on, as vLLM lays ranks out over the replica's nodes."""
+        first = replica * self.per_replica
+        last = first + self.per_replica - 1
+        return [self.addresses[min(first + r // self.local, last)] for r in range(self.pool.dp_size)]
+
+    def entry(self, ep: EngineEndpoint, k: int) -> dict[str, Any]:
+        """The discovery entry of a replica's server on node k."""
+        return _entry(ep, self.addresses[k], self.nodes[k], self.rank_hosts(ep.replica))
+
+
+def resolve(text: str, heads: dict[str, str], node_address: str) -> str:
     for placeholder, address in heads.items():
         text = text.replace(placeholder, address)
     return text.replace(NODE_ADDRESS, node_address)
@@ -74,7 +107,7 @@ def _entry(ep: EngineEndpoint, address: str, node: str, rank_hosts: list[str]) -
     }
 
 
-def _rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: str) -> dict[str, Any]:
+def rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: str) -> dict[str, Any]:
     # Mode "per-rank": each DP rank is its own API server and pod; vLLM names rank r's NIXL engine `<id>_dp<r>`.
     return {
         "name": f"{ep.name}-dp{rank}",
@@ -90,40 +123,6 @@ def _rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: st
         "replica": ep.replica,
         "dp_rank": rank,
     }
-
-
-def sim_argv(spec_path: str, ep: EngineEndpoint, address: str, node: str, side_channel: bool, python: str) -> list[str]:
-    """`llmd engine sim` for one replica with the layout's ports, bound to the node's address."""
-    argv = [
-        python,
-        "-m",
-        "llmd.cli",
-        "engine",
-        "sim",
-        "--spec",
-        spec_path,
-        "--role",
-        ep.role,
-        "--name",
-        ep.name,
-        "--host",
-        address,
-        "--port",
-        str(ep.http_port),
-        "--dp-ranks",
-        str(ep.dp_size),
-        "--kv-events-endpoint",
-        ep.kv_events_endpoint(bind=True),
-        "--kv-events-replay-endpoint",
-        ep.replay_endpoint(bind=True),
-        "--engine-id",
-        ep.engine_id,
-        "--node",
-        node,
-    ]
-    if side_channel:
-        argv += ["--side-channel-host", address, "--side-channel-port", str(ep.side_channel_port)]
-    return argv
 
 
 def plan_nodes(
@@ -156,54 +155,9 @@ def plan_nodes(
     if per_replica < 1 or per_replica * pool.replicas != pool.nodes:
         raise UserError(f"{role}.nodes ({pool.nodes}) must be a multiple of {role}.replicas ({pool.replicas})")
     eps = [ep for ep in engine_endpoints(spec) if ep.role == role]
-    heads = {head_placeholder(role, ep.replica): addresses[ep.replica * per_replica] for ep in eps}
-    local = dp_local(pool)
-
-    def rank_hosts(replica: int) -> list[str]:
-        first = replica * per_replica
-        return [addresses[min(first + r // local, first + per_replica - 1)] for r in range(pool.dp_size)]
-
-    procs: dict[int, list[EngineProcess]] = {k: [] for k in range(len(nodes))}
-    ranks: dict[int, list[int]] = {k: [] for k in range(len(nodes))}
-    if spec.engine.kind == "sim":
-        for ep in eps:
-            k = ep.replica * per_replica
-            address = addresses[k]
-            argv = sim_argv(spec_path, ep, address, nodes[k], True, python)
-            env = {**spec.engine.env, **pool.env}
-            entry = _entry(ep, address, nodes[k], rank_hosts(ep.replica))
-            procs[k].append(EngineProcess(ep.name, argv, env, ep.http_port, f"{entry['url']}/health", [entry]))
-        for k in range(len(nodes)):
-            # The sim runs every rank in one server, but the layout (and the plan shown to people) is vLLM's.
-            ranks[k] = [r for r in range(pool.dp_size) if min(r // local, per_replica - 1) == k % per_replica]
-    else:
-        by_ep = {ep.replica: ep for ep in eps}
-        for launch in vllm_launches(spec, python=python, mode=mode):
-            if launch.role != role:
-                continue
-            if launch.node_index >= per_replica:
-                raise UserError(
-                    f"{role}: replica {launch.replica} needs more than {per_replica} nodes for dp_size "
-                    f"{pool.dp_size} at {local} DP ranks per node; fix {role}.dp_size, gpus_per_node or tp_size"
-                )
-            k = launch.replica * per_replica + launch.node_index
-            address = addresses[k]
-            argv = [_resolve(a, heads, address) for a in launch.argv]
-            env = {key: _resolve(v, heads, address) for key, v in launch.env.items()}
-            ep = by_ep[launch.replica]
-            ranks[k].extend(launch.ranks)
-            if launch.http_port is None:
-                procs[k].append(EngineProcess(f"{ep.name}-node{launch.node_index}", argv, env, None, None))
-                continue
-            if mode == "per-rank" and ep.dp_size > 1:
-                rank = launch.ranks[0]
-                entries = [_rank_entry(ep, rank, launch.http_port, address, nodes[k])]
-                name = f"{ep.name}-dp{rank}"
-            else:
-                entries = [_entry(ep, address, nodes[k], rank_hosts(ep.replica))]
-                name = ep.name
-            url = f"http://{address}:{launch.http_port}"
-            procs[k].append(EngineProcess(name, argv, env, launch.http_port, f"{url}/health", entries))
+    p = Placement(spec, role, pool, eps, list(nodes), addresses, per_replica, dp_local(pool), spec_path, python, mode)
+    engine_kind(spec.engine.kind).place(p)
+    procs, ranks = p.procs, p.ranks
     return [
         NodePlan(
             index=k,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.spec import DeploymentSpec, dump_spec
 
@@ -26,7 +27,7 @@ def absolute_spec(spec: DeploymentSpec, base: Path) -> DeploymentSpec:
 
 
 def check_launchable(spec: DeploymentSpec) -> None:
-    if spec.engine.kind == "sim":
+    if engine_kind(spec.engine.kind).needs_tokenizer_file:
         tok = Path(spec.model.tokenizer or spec.model.path)
         if not (tok / "tokenizer.json").exists():
             raise UserError(

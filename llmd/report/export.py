@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from llmd.engines.kinds import engine_kind
 from llmd.report.summary import _errors, client_rows, summarize_frames
 
 REPORT_VERSION = "0.2"
@@ -67,7 +68,7 @@ def _stack(spec: dict[str, Any], version: str) -> list[dict[str, Any]]:
     model = spec.get("model") or {}
     engine = spec.get("engine") or {}
     kind = engine.get("kind", "sim")
-    tool = "llmd-sim" if kind == "sim" else "vllm"
+    backend = engine_kind(kind)
     prefill = spec.get("prefill") or {}
     pools = {"prefill": prefill} if prefill.get("nodes", 0) > 0 else {}
     pools["decode"] = spec.get("decode") or {}
@@ -85,13 +86,13 @@ def _stack(spec: dict[str, Any], version: str) -> list[dict[str, Any]]:
                 },
                 "standardized": {
                     "kind": "inference_engine",
-                    "tool": tool,
+                    "tool": backend.report_tool,
                     "tool_version": version,
                     "role": role,
                     "replicas": max(replicas, 1),
                     "model": {"name": str(model.get("served_name") or model.get("path") or "unknown")},
                     "accelerator": {
-                        "model": f"{gpu} (simulated)" if kind == "sim" else gpu,
+                        "model": f"{gpu} (simulated)" if backend.simulated else gpu,
                         "count": replicas * tp * dp,
                         "parallelism": {
                             "tp": tp,

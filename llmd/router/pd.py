@@ -28,7 +28,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from llmd.engines import http_client
+from llmd.net import http_client
 
 P2PMode = Literal["hash", "two-hop"]
 

@@ -35,10 +35,11 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from llmd.engines import http_client
+from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.kv.index import KVIndex
 from llmd.metrics.schema import pd_path_of
+from llmd.net import http_client
 from llmd.router import pd as hops
 from llmd.router.admission import Admission, QueueFull
 from llmd.router.endpoints import EndpointRegistry, Pod, PodInfo
@@ -135,14 +136,14 @@ class RouterConfig:
         m = spec.model
         kw: dict[str, Any] = {
             # Stock vLLM pulls only leased blocks: P2P goes through the holder as a prefill pod there.
-            "p2p_mode": "two-hop" if spec.engine.kind == "vllm" else "hash",
+            "p2p_mode": engine_kind(spec.engine.kind).p2p_mode,
             "served_name": m.served_name,
             "block_size": m.block_size,
             "tokenizer": m.tokenizer,
             "hash_algo": m.hash_algo,
             "hash_seed": m.hash_seed,
             "seed": spec.workload.seed,
-            "time_scale": spec.engine.time_scale if spec.engine.kind == "sim" else 1.0,
+            "time_scale": spec.engine.time_scale if engine_kind(spec.engine.kind).simulated else 1.0,
         }
         kw.update(_cost_models(spec))
         kw.update(overrides)

@@ -58,7 +58,7 @@ def run_checks(spec: DeploymentSpec, parsed: Collection[str] | None = None) -> l
     return issues
 
 
-def _multiples(value: int, step: int) -> str:
+def multiples(value: int, step: int) -> str:
     below = value - value % step
     return f"{below} or {below + step}" if below > 0 else str(below + step)
 
@@ -88,7 +88,7 @@ def pool_layout_issues(role: str, pool: PoolSpec) -> list[SpecIssue]:
             SpecIssue(
                 f"{role}.nodes",
                 f"{pool.nodes} is not a multiple of {role}.replicas ({pool.replicas}); every replica needs the same "
-                f"whole number of nodes: use nodes {_multiples(pool.nodes, pool.replicas)}, or replicas that divide "
+                f"whole number of nodes: use nodes {multiples(pool.nodes, pool.replicas)}, or replicas that divide "
                 f"{pool.nodes} ({_divisors(pool.nodes)})",
             )
         )
@@ -187,31 +187,11 @@ def check_context_fits_a_block(spec: DeploymentSpec) -> list[SpecIssue]:
 
 
 @check("engine", "model")
-def check_vllm_model(spec: DeploymentSpec) -> list[SpecIssue]:
-    if spec.engine.kind == "vllm" and not spec.model.path.strip():
-        return [
-            SpecIssue(
-                "model.path",
-                'is empty, but engine.kind "vllm" loads real weights; set model.path to a local folder or a hub name '
-                '(e.g. "zai-org/GLM-5.2")',
-            )
-        ]
-    return []
+def check_engine_kind(spec: DeploymentSpec) -> list[SpecIssue]:
+    """What only the spec's engine kind needs (e.g. vLLM's model weights), from its entry in llmd.engines.kinds."""
+    from llmd.engines.kinds import engine_kind
 
-
-@check("engine", "model")
-def check_vllm_cpu_block_size(spec: DeploymentSpec) -> list[SpecIssue]:
-    # vLLM's CPU attention kernels refuse other block sizes; engine.gpu "cpu" is how a spec says it runs on CPUs.
-    block = spec.model.block_size
-    if spec.engine.kind != "vllm" or spec.engine.gpu != "cpu" or block % 32 == 0:
-        return []
-    return [
-        SpecIssue(
-            "model.block_size",
-            f'{block} does not run on vLLM\'s CPU build (engine.gpu "cpu"): its attention needs a multiple of 32; '
-            f"use {_multiples(block, 32)}",
-        )
-    ]
+    return engine_kind(spec.engine.kind).spec_issues(spec)
 
 
 @check("workload")

@@ -43,9 +43,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from llmd.engines import http_client
 from llmd.metrics.schema import pd_path_of
 from llmd.metrics.writer import MetricsWriter
+from llmd.net import http_client
 from llmd.workload.profiles import Workload
 from llmd.workload.prompts import PromptTurn, PromptWriter
 from llmd.workload.sessions import SessionPlan, Turn, plan_session

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,41 +80,74 @@ def _trace_model(**kw: Any) -> SessionModel:
     return dataclasses.replace(model, fork_p=fork_p_for_share(model, SUBAGENT_SHARE))
 
 
+# A named profile from the run's concurrency and duration (each profile decides whether it uses them).
+ProfileBuilder = Callable[[str, int, float], Profile]
+PROFILE_BUILDERS: dict[str, ProfileBuilder] = {}
+# The spec's profile that replays workload.trace_path (llmd.workload.trace) instead of drawing sessions from a model.
+REPLAY_PROFILE = "trace"
+
+
+def register_profile(name: str) -> Callable[[ProfileBuilder], ProfileBuilder]:
+    def register(fn: ProfileBuilder) -> ProfileBuilder:
+        PROFILE_BUILDERS[name] = fn
+        return fn
+
+    return register
+
+
+@register_profile("smoke")
+def _smoke(name: str, concurrency: int, duration_s: float) -> Profile:
+    model = SessionModel(
+        initial=Quantiles(300, 450, None, 200, 600),
+        growth=Quantiles(40, 80, None, 24, 120),
+        output=Quantiles(16, 40, None, 4, 64),
+        gap_s=Quantiles(0.2, 0.5, None, 0.0, 1.0),
+        turns=fixed(3),
+        reset_p=0.0,
+        compaction_p=0.0,
+        max_context=4000,
+        system_tokens=64,
+        group_size=fixed(3),
+        subagent_turns=fixed(2),
+        subagent_task=Quantiles(40, 80, None, 24, 120),
+        fixed_fork=(1, 3),
+    )
+    return Profile(name, 4, 1, None, model, stagger_s=0.5)
+
+
+@register_profile("automationbench")
+def _automationbench(name: str, concurrency: int, duration_s: float) -> Profile:
+    # Raw concurrency of coding agents, closed loop; AutomationBench's rates give ~17.7K input and ~800 output
+    # tokens per request, so contexts are far smaller than in the long-session traffic.
+    model = _trace_model(initial=Quantiles(8_000, 20_000, 40_000, 0, 60_000), turns=Quantiles(20, 60, 150, 1))
+    return Profile(name, concurrency, None, duration_s, dataclasses.replace(model, max_context=64_000), 10.0)
+
+
+@register_profile("cybergym")
+def _cybergym(name: str, concurrency: int, duration_s: float) -> Profile:
+    model = _trace_model(initial=fixed(94_000), turns=fixed(10), reset_p=0.0, max_context=200_000)
+    return Profile(name, 400, 1, None, model, stagger_s=10.0)
+
+
+@register_profile("agentx")
+def _agentx(name: str, concurrency: int, duration_s: float) -> Profile:
+    model = _trace_model(initial=Quantiles(195_000, 210_000, None, 150_000, 250_000), reset_p=0.0)
+    return Profile(name, 128, None, 15 * 60.0 if duration_s is None else duration_s, model, 10.0)
+
+
+@register_profile("trace-stats")
+def _trace_stats(name: str, concurrency: int, duration_s: float) -> Profile:
+    return Profile(name, concurrency, None, duration_s, _trace_model(), 10.0)
+
+
 def _base(name: str, concurrency: int, duration_s: float) -> Profile:
-    if name == "smoke":
-        model = SessionModel(
-            initial=Quantiles(300, 450, None, 200, 600),
-            growth=Quantiles(40, 80, None, 24, 120),
-            output=Quantiles(16, 40, None, 4, 64),
-            gap_s=Quantiles(0.2, 0.5, None, 0.0, 1.0),
-            turns=fixed(3),
-            reset_p=0.0,
-            compaction_p=0.0,
-            max_context=4000,
-            system_tokens=64,
-            group_size=fixed(3),
-            subagent_turns=fixed(2),
-            subagent_task=Quantiles(40, 80, None, 24, 120),
-            fixed_fork=(1, 3),
-        )
-        return Profile(name, 4, 1, None, model, stagger_s=0.5)
-    if name == "automationbench":
-        # Raw concurrency of coding agents, closed loop; AutomationBench's rates give ~17.7K input and ~800 output
-        # tokens per request, so contexts are far smaller than in the long-session traffic.
-        model = _trace_model(initial=Quantiles(8_000, 20_000, 40_000, 0, 60_000), turns=Quantiles(20, 60, 150, 1))
-        return Profile(name, concurrency, None, duration_s, dataclasses.replace(model, max_context=64_000), 10.0)
-    if name == "cybergym":
-        model = _trace_model(initial=fixed(94_000), turns=fixed(10), reset_p=0.0, max_context=200_000)
-        return Profile(name, 400, 1, None, model, stagger_s=10.0)
-    if name == "agentx":
-        model = _trace_model(initial=Quantiles(195_000, 210_000, None, 150_000, 250_000), reset_p=0.0)
-        return Profile(name, 128, None, 15 * 60.0 if duration_s is None else duration_s, model, 10.0)
-    if name == "trace-stats":
-        return Profile(name, concurrency, None, duration_s, _trace_model(), 10.0)
-    raise ValueError(f"unknown profile {name!r}; profiles: {', '.join(PROFILES)}")
+    builder = PROFILE_BUILDERS.get(name)
+    if builder is None:
+        raise ValueError(f"unknown profile {name!r}; profiles: {', '.join(PROFILES)}")
+    return builder(name, concurrency, duration_s)
 
 
-PROFILES = ("smoke", "automationbench", "cybergym", "agentx", "trace-stats")
+PROFILES = tuple(PROFILE_BUILDERS)
 _DIMS = ("initial", "growth", "output", "gap_s", "turns", "group_size", "subagent_turns", "subagent_task")
 _SCALARS = ("reset_p", "compaction_p", "compaction_ratio", "max_context", "system_tokens", "fork_p")
 _PROFILE_FIELDS = ("agents", "sessions_per_agent", "stagger_s")

@@ -110,7 +110,7 @@ def _load(args: argparse.Namespace) -> Any:
 def build_config(args: argparse.Namespace) -> Any:
     """The SimServerConfig the flags describe (spec defaults, then flags)."""
     from .runner import FaultConfig
-    from .server import SimServerConfig
+    from .server_config import SimServerConfig
 
     spec = _load(args)
     role = args.role

@@ -19,7 +19,7 @@ from llmd.kv.hashing import BlockHasher
 
 from .kv_cache import KVCacheManager
 from .request import FINISH_REASONS, FinishReason, RequestStatus, SimRequest, TokenSampler
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import EngineScheduler, SchedulerOutput
 
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
@@ -29,7 +29,7 @@ _LENGTH = FinishReason.LENGTH
 _STATUS_FOR = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
-class LatencyModel(Protocol):
+class StepCostModel(Protocol):
     """What the core needs from llmd/perf/latency.py."""
 
     def step_time(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float: ...
@@ -158,7 +158,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: SimEngineConfig, latency: LatencyModel) -> None:
+    def __init__(self, config: SimEngineConfig, latency: StepCostModel) -> None:
         self.config = c = config
         self.latency = latency
         self.hasher = BlockHasher(c.block_size, c.hash_algo, c.hash_seed)
@@ -170,7 +170,7 @@ class EngineCore:
             cpu_events_self_describing=c.cpu_events_self_describing,
             drop_last_hit_block=c.num_speculative_tokens > 0,
         )
-        self.scheduler = Scheduler(
+        self.scheduler = EngineScheduler(
             self.kv,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
@@ -549,10 +549,10 @@ def _valid_pull_params(params: dict[str, Any]) -> bool:
 __all__ = [
     "EngineCore",
     "EngineStats",
-    "LatencyModel",
     "PullTask",
     "RequestOutput",
     "SchedulerOutput",
     "SimEngineConfig",
+    "StepCostModel",
     "StepResult",
 ]

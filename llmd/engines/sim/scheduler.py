@@ -38,7 +38,7 @@ class SchedulerOutput:
     cpu_restore_tokens: list[int] = field(default_factory=list)  # per admitted request that hit the CPU tier
 
 
-class Scheduler:
+class EngineScheduler:
     def __init__(
         self,
         kv: KVCacheManager,
