@@ -4,15 +4,15 @@ Node k of the `role` pool belongs to replica k // nodes_per_replica (its node k 
 engine.kind vllm the processes are `llmd.engines.vllm.vllm_launches` with the placeholders resolved (a replica's head
 address is the address of its first node; NODE_ADDRESS is the node's own); for engine.kind sim one `llmd engine sim`
 server per replica, on the replica's first node, runs all the replica's DP ranks. Ports come from llmd.spec.layout.
-Each process that serves HTTP carries the discovery entries (llmd.router.endpoints format) to publish once healthy.
+Each process that serves HTTP carries the discovery entries (llmd.discovery) to publish once healthy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from llmd.discovery import PodInfo, entry_for
 from llmd.engines.vllm import NODE_ADDRESS, LaunchMode, dp_local, head_placeholder, vllm_launches
 from llmd.errors import UserError
 from llmd.spec.layout import EngineEndpoint, engine_endpoints
@@ -30,7 +30,7 @@ class EngineProcess:
     env: dict[str, str]
     http_port: int | None  # None: headless, no /health to wait for
     health_url: str | None
-    discovery: list[dict[str, Any]] = field(default_factory=list)
+    discovery: list[PodInfo] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -57,39 +57,22 @@ def _resolve(text: str, heads: dict[str, str], node_address: str) -> str:
     return text.replace(NODE_ADDRESS, node_address)
 
 
-def _entry(ep: EngineEndpoint, address: str, node: str, rank_hosts: list[str]) -> dict[str, Any]:
-    return {
-        "name": ep.name,
-        "role": ep.role,
-        "url": f"http://{address}:{ep.http_port}",
-        "dp_size": ep.dp_size,
-        "kv_events_endpoint": ep.kv_events_endpoint(bind=True),
-        "kv_events_replay_endpoint": ep.replay_endpoint(bind=True),
-        "side_channel_host": address,
-        "side_channel_port": ep.side_channel_port,
-        "engine_id": ep.engine_id,
-        # Extra fields for people and other readers (the router ignores them): where each DP rank runs.
-        "node": node,
-        "rank_hosts": rank_hosts,
-    }
-
-
-def _rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: str) -> dict[str, Any]:
+def _rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: str) -> PodInfo:
     # Mode "per-rank": each DP rank is its own API server and pod; vLLM names rank r's NIXL engine `<id>_dp<r>`.
-    return {
-        "name": f"{ep.name}-dp{rank}",
-        "role": ep.role,
-        "url": f"http://{address}:{port}",
-        "dp_size": 1,
-        "kv_events_endpoint": f"tcp://*:{ep.kv_events_port + rank}",
-        "kv_events_replay_endpoint": f"tcp://*:{ep.replay_port + rank}",
-        "side_channel_host": address,
-        "side_channel_port": ep.side_channel_port + rank,
-        "engine_id": ep.engine_id if rank == 0 else f"{ep.engine_id}_dp{rank}",
-        "node": node,
-        "replica": ep.replica,
-        "dp_rank": rank,
-    }
+    return PodInfo(
+        name=f"{ep.name}-dp{rank}",
+        role=ep.role,
+        url=f"http://{address}:{port}",
+        dp_size=1,
+        kv_events_endpoint=f"tcp://*:{ep.kv_events_port + rank}",
+        kv_events_replay_endpoint=f"tcp://*:{ep.replay_port + rank}",
+        side_channel_host=address,
+        side_channel_port=ep.side_channel_port + rank,
+        engine_id=ep.engine_id if rank == 0 else f"{ep.engine_id}_dp{rank}",
+        node=node,
+        replica=ep.replica,
+        dp_rank=rank,
+    )
 
 
 def sim_argv(spec_path: str, ep: EngineEndpoint, address: str, node: str, side_channel: bool, python: str) -> list[str]:
@@ -171,8 +154,8 @@ def plan_nodes(
             address = addresses[k]
             argv = sim_argv(spec_path, ep, address, nodes[k], True, python)
             env = {**spec.engine.env, **pool.env}
-            entry = _entry(ep, address, nodes[k], rank_hosts(ep.replica))
-            procs[k].append(EngineProcess(ep.name, argv, env, ep.http_port, f"{entry['url']}/health", [entry]))
+            entry = entry_for(ep, address, node=nodes[k], rank_hosts=rank_hosts(ep.replica))
+            procs[k].append(EngineProcess(ep.name, argv, env, ep.http_port, f"{entry.url}/health", [entry]))
         for k in range(len(nodes)):
             # The sim runs every rank in one server, but the layout (and the plan shown to people) is vLLM's.
             ranks[k] = [r for r in range(pool.dp_size) if min(r // local, per_replica - 1) == k % per_replica]
@@ -200,7 +183,7 @@ def plan_nodes(
                 entries = [_rank_entry(ep, rank, launch.http_port, address, nodes[k])]
                 name = f"{ep.name}-dp{rank}"
             else:
-                entries = [_entry(ep, address, nodes[k], rank_hosts(ep.replica))]
+                entries = [entry_for(ep, address, node=nodes[k], rank_hosts=rank_hosts(ep.replica))]
                 name = ep.name
             url = f"http://{address}:{launch.http_port}"
             procs[k].append(EngineProcess(name, argv, env, launch.http_port, f"{url}/health", entries))
