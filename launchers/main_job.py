@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launchers.runstate import is_final, read_state, update_state
 from llmd.discovery import FILE_NAME, read_discovery
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.errors import UserError
-from llmd.launch.runstate import is_final, read_state, update_state
 from llmd.metrics.run_files import run_inputs
 from llmd.spec import load_spec
 from llmd.spec.layout import engine_endpoints

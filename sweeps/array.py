@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launchers.prepare import absolute_spec, check_launchable
 from llmd.errors import UserError
-from llmd.launch.prepare import absolute_spec, check_launchable
 from llmd.spec import dump_spec
 from sweeps.grid import Sweep, load_sweep
 

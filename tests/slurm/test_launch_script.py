@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from launchers.plan import plan_job
+from launchers.runstate import read_state, update_state
 from launchers.script import SUBMITIT_SIGNAL, render_plain, render_submitit
 from llmd.cli import main
 from llmd.errors import UserError
-from llmd.launch.runstate import read_state, update_state
 from llmd.spec import parse_spec
 from sweeps.grid import expand
 
@@ -188,7 +188,7 @@ def test_example_sweep_dry_run(capsys, monkeypatch) -> None:
 
 
 def test_follow_limit_reads_every_slurm_time_format() -> None:
-    from llmd.launch.cli import _limit_s
+    from launchers.cli import _limit_s
 
     assert _limit_s("90") == 5400
     assert _limit_s("10:30") == 630
