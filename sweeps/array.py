@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launchers.plan import pythonpath_line
 from launchers.prepare import absolute_spec, check_launchable
 from llmd.errors import UserError
 from llmd.spec import dump_spec
@@ -58,6 +59,7 @@ def _executor(sweep: Sweep, folder: Path) -> Any:
         nodes=1,
         ntasks_per_node=1,
         cpus_per_task=s.cpus_per_task,
+        setup=[pythonpath_line()],  # the array tasks run this tree's code, as llmd launch's jobs do
         additional_parameters=extra,
     )
     return ex

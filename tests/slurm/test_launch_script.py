@@ -97,6 +97,16 @@ def test_starter_choice_and_plain_template(tmp_path: Path) -> None:
     assert plain.startswith("#!/bin/bash\n") and plain.endswith("exit $rc\n")
 
 
+def test_the_job_runs_the_source_tree_that_planned_it(tmp_path: Path) -> None:
+    # Only python is given on the command lines; which llmd it imports must not depend on what it has installed.
+    root = Path(__file__).resolve().parents[2]
+    for script in (render_plain(plan_job(_spec(), tmp_path / "run", tmp_path, gpus=False)),
+                   render_submitit(plan_job(_spec(), tmp_path / "run", tmp_path, gpus=False))):  # fmt: skip
+        lines = script.splitlines()
+        export = lines.index(f"export PYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}}")
+        assert export < min(i for i, line in enumerate(lines) if "srun " in line), "before any step starts"
+
+
 def test_submitit_signal_matches_submitit() -> None:
     slurm = pytest.importorskip("submitit.slurm.slurm")
     assert slurm.SlurmJobEnvironment.USR_SIG == SUBMITIT_SIGNAL
