@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from launchers.discovery import DISCOVERY_FILE, append_entry, entry_for
+from llmd.discovery import FILE_NAME, entry_for, publish
 from llmd.engines.kinds import engine_kind
 from llmd.engines.vllm_server import EngineStartError, stop_process_group, wait_healthy
 from llmd.errors import UserError
@@ -84,8 +84,8 @@ def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
         wait_healthy(f"{ep.url}/health", proc, spec.engine.startup_timeout_s, name=ep.name)
         (run_dir / "engines").mkdir(exist_ok=True)
         (run_dir / "engines" / f"{ep.name}.pid").write_text(f"{proc.pid}\n")
-        append_entry(run_dir / DISCOVERY_FILE, entry_for(ep))
-        print(f"{ep.name}: healthy, listed in {run_dir / DISCOVERY_FILE}", flush=True)
+        publish(run_dir / FILE_NAME, [entry_for(ep)])
+        print(f"{ep.name}: healthy, listed in {run_dir / FILE_NAME}", flush=True)
         while proc.poll() is None and not stop["sig"]:
             time.sleep(0.5)
     except EngineStartError as exc:

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launchers.discovery import DISCOVERY_FILE, read_entries
+from launchers.runstate import is_final, read_state, update_state
+from llmd.discovery import FILE_NAME, read_discovery
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
-from llmd.launch.runstate import is_final, read_state, update_state
+from llmd.errors import UserError
 from llmd.metrics.run_files import run_inputs
 from llmd.spec import load_spec
 from llmd.spec.layout import engine_endpoints
@@ -106,27 +107,33 @@ def merge_parts(run_dir: Path) -> Path | None:
     return out
 
 
+def _listed(discovery: Path) -> set[str]:
+    try:
+        return {e.name for e in read_discovery(discovery)}
+    except UserError as exc:  # only publish writes it, atomically: a bad file will not mend itself
+        raise RunFailed(str(exc)) from None
+
+
 def _wait_for_engines(run_dir: Path, names: set[str], timeout_s: float, stop: dict[str, int]) -> None:
     deadline = time.monotonic() + timeout_s
-    discovery = run_dir / DISCOVERY_FILE
+    discovery = run_dir / FILE_NAME
     while time.monotonic() < deadline:
         if stop["sig"]:
             raise Interrupted()
         cause = _engine_exit(run_dir)
         if cause:
             raise RunFailed(f"before all engines were ready: {cause}")
-        listed = {e.get("name") for e in read_entries(discovery)}
-        if names <= listed:
+        if names <= _listed(discovery):
             return
         time.sleep(POLL_S)
-    missing = sorted(names - {e.get("name") for e in read_entries(discovery)})
+    missing = sorted(names - _listed(discovery))
     raise RunFailed(f"engines {', '.join(missing)} not ready after {timeout_s:.0f} s; see {run_dir / 'logs'}")
 
 
 def _start_router(spec_path: Path, run_dir: Path, port: int, metrics_out: Path) -> subprocess.Popen:
     log = run_dir / "logs" / "router.log"
     cmd = [sys.executable, "-u", "-m", "llmd.cli", "router", "--spec", str(spec_path)]
-    cmd += ["--discovery", str(run_dir / DISCOVERY_FILE), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--discovery", str(run_dir / FILE_NAME), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--metrics-out", str(metrics_out)]
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)

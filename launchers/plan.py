@@ -17,6 +17,15 @@ from llmd.spec import DeploymentSpec
 # Engine components start one task per node; whatever runs there (llmd.fabric or launchers.engine_task) decides from
 # its node index which replica and rank it serves.
 ENGINE_STARTERS = ("fabric", "basic")
+# The tree holding launchers/, llmd/ and sweeps/ (a checkout, or site-packages once installed). A job runs the code
+# that planned it: with only the python given, `-m launchers.main_job` would find whichever llmd that python has
+# installed (another checkout's editable install, say), and the job would run code the launcher never saw.
+SOURCE = Path(__file__).resolve().parent.parent
+
+
+def pythonpath_line(source: Path = SOURCE) -> str:
+    """The batch script line that puts `source` first on the job's PYTHONPATH (srun steps inherit it)."""
+    return f"export PYTHONPATH={shlex.quote(str(source))}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class JobPlan:
     components: list[Component]
     starter: str = "basic"
     python: str = sys.executable
+    source: Path = SOURCE
     extra: list[str] = field(default_factory=list)  # the spec's extra_sbatch, on every component
 
     @property
@@ -126,11 +136,13 @@ class JobPlan:
         return args + self.container_args()
 
     def setup_lines(self) -> list[str]:
-        """Shell run by the batch script before component 0's main command: node lists, a clean discovery file, and
-        each engine component started in the background; its exit code lands in exit/<role>.rc for the main job."""
+        """Shell run by the batch script before component 0's main command: this source tree on PYTHONPATH, node
+        lists, a clean discovery file, and each engine component started in the background; its exit code lands in
+        exit/<role>.rc for the main job."""
         run = shlex.quote(str(self.run_dir))
         lines = [
             f"export LLMD_RUN_DIR={run}",
+            pythonpath_line(self.source),
             f"mkdir -p {run}/logs {run}/exit",
             # A requeued attempt starts from fresh engines: forget the last attempt's endpoints and exits.
             f"rm -f {run}/discovery.json {run}/exit/*.rc",

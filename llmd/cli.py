@@ -1,7 +1,9 @@
 """The `llmd` command line: one entry point, one subcommand per area (spec, demo, bench, engine, launch, ...).
 
 Each area registers its own subparser through a `register(subparsers)` function, so adding a command is one import
-here and a small module next to the code it drives.
+here and a small module next to the code it drives. This is the one module under llmd/ that may import the control
+plane (launchers/, sweeps/): the command line is the outermost edge, and the jobs launchers submit start the runtime
+through it (`python -m llmd.cli router ...`), so it must stay here rather than move out of the package.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 
 def _registrars() -> list[Registrar]:
     # Imported lazily so `llmd --help` stays fast and a missing optional dependency breaks only its own command.
+    # The control plane's commands are imported here only, never by the runtime (tests/test_layering.py).
+    from launchers import cli as launch_cli
     from llmd import demo
     from llmd.engines.sim import cli as sim_cli
     from llmd.fabric import cli as fabric_cli
-    from llmd.launch import cli as launch_cli
     from llmd.models import cli as model_cli
     from llmd.report import cli as report_cli
     from llmd.router import cli as router_cli
     from llmd.spec import cli as spec_cli
     from llmd.workload import bench_cli
+    from sweeps import cli as sweep_cli
 
     return [
         spec_cli.register,
@@ -37,6 +41,7 @@ def _registrars() -> list[Registrar]:
         bench_cli.register,
         report_cli.register,
         launch_cli.register,
+        sweep_cli.register,
         fabric_cli.register,
     ]
 

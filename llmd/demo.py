@@ -153,7 +153,7 @@ def _engine_configs(spec: Any, model_dir: Path) -> list[Any]:
 
 def _pod_of(server: Any) -> Any:
     """The discovery entry for a started sim server (its actual ports)."""
-    from llmd.router.endpoints import PodInfo
+    from llmd.discovery import PodInfo
 
     c = server.config
     pub = server.publishers[0] if server.publishers else None

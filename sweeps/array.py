@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launchers.plan import pythonpath_line
+from launchers.prepare import absolute_spec, check_launchable
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
-from llmd.launch.prepare import absolute_spec, check_launchable
 from llmd.spec import dump_spec
 from sweeps.grid import Sweep, load_sweep
 
@@ -59,6 +60,7 @@ def _executor(sweep: Sweep, folder: Path) -> Any:
         nodes=1,
         ntasks_per_node=1,
         cpus_per_task=s.cpus_per_task,
+        setup=[pythonpath_line()],  # the array tasks run this tree's code, as llmd launch's jobs do
         additional_parameters=extra,
     )
     return ex

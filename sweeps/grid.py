@@ -19,7 +19,7 @@ from typing import Any
 
 from llmd.errors import UserError
 from llmd.spec import DeploymentSpec, SpecError, parse_spec
-from llmd.spec.load import _SpecLoader
+from llmd.spec.load import load_yaml
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -48,7 +48,7 @@ def _load_yaml(path: Path) -> Any:
     import yaml
 
     try:
-        return yaml.load(path.read_text(), Loader=_SpecLoader)  # a SafeLoader: spec YAML rules
+        return load_yaml(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except yaml.YAMLError as exc:

@@ -1,11 +1,9 @@
 """llmd.fabric without MPI: the per-node plan (tiny spec, the 544-GPU example), node ordering, the file channel,
-the slow-link verdict, the discovery file under concurrent writers, the HDF5 record and its merge."""
+the slow-link verdict, the HDF5 record and its merge."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -13,16 +11,15 @@ import h5py
 import numpy as np
 import pytest
 
+from llmd.discovery import parse_discovery
 from llmd.engines.vllm import NODE_ADDRESS
 from llmd.errors import UserError
 from llmd.fabric.comm import FileComm, slurm_world
-from llmd.fabric.discovery import publish, read_entries
 from llmd.fabric.nodes import order_nodes, slurm_node_order
 from llmd.fabric.plan import plan_nodes
 from llmd.fabric.preflight import PreflightResult, _link_of, slow_links
 from llmd.fabric.record import write_matrix
 from llmd.metrics.merge import merge_runs
-from llmd.router.endpoints import parse_discovery
 from llmd.spec import DeploymentSpec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +55,7 @@ def test_sim_plan_one_server_per_replica_on_the_layout_ports() -> None:
     assert flags["--kv-events-replay-endpoint"] == "tcp://*:34201"
     assert second.health_url == "http://10.0.0.2:31201/health"
     # The entry is one the router accepts, pointing at this node.
-    (pod,) = parse_discovery(second.discovery)
+    (pod,) = parse_discovery([e.to_json() for e in second.discovery])
     assert pod.name == "decode-1" and pod.url == "http://10.0.0.2:31201" and pod.engine_id == "decode-1"
     assert pod.side_channel_of(0) == ("10.0.0.2", 33201) and pod.events_address(0) == ("tcp://10.0.0.2:32201", False)
 
@@ -69,7 +66,7 @@ def test_sim_replica_over_two_nodes_runs_on_its_first_node() -> None:
     # The layout is vLLM's (one DP rank per GPU, one GPU per node here), though one sim server runs both ranks.
     assert [p.dp_ranks for p in plans] == [[0], [1], [0], [1]]
     entry = plans[2].processes[0].discovery[0]
-    assert entry["dp_size"] == 2 and entry["url"] == "http://c:31201" and entry["rank_hosts"] == ["c", "d"]
+    assert entry.dp_size == 2 and entry.url == "http://c:31201" and entry.rank_hosts == ("c", "d")
 
 
 def test_node_count_must_match_the_pool() -> None:
@@ -100,8 +97,8 @@ def test_glm_decode_nodes_replicas_ranks_ports() -> None:
         if p.node_in_replica == 0:
             assert "--headless" not in argv and p.ports == [8200 + p.replica]
             (entry,) = p.processes[0].discovery
-            assert entry["url"] == f"http://{addrs[p.index]}:{8200 + p.replica}" and entry["dp_size"] == 128
-            assert entry["rank_hosts"][8:16] == [addrs[p.index + 1]] * 8
+            assert entry.url == f"http://{addrs[p.index]}:{8200 + p.replica}" and entry.dp_size == 128
+            assert entry.rank_hosts[8:16] == (addrs[p.index + 1],) * 8
         else:
             assert "--headless" in argv and p.ports == [] and p.processes[0].discovery == []
             assert argv[argv.index("--data-parallel-start-rank") + 1] == str(8 * p.node_in_replica)
@@ -117,8 +114,8 @@ def test_glm_per_rank_mode_announces_every_rank() -> None:
     node3 = plans[3]  # replica 1, ranks 8-15
     assert [p.name for p in node3.processes] == [f"prefill-1-dp{r}" for r in range(8, 16)]
     entry = node3.processes[0].discovery[0]
-    assert entry["dp_size"] == 1 and entry["engine_id"] == "prefill-1_dp8"
-    assert entry["side_channel_host"] == "n3" and entry["side_channel_port"] == 10100 + 16 + 8
+    assert entry.dp_size == 1 and entry.engine_id == "prefill-1_dp8"
+    assert entry.side_channel_host == "n3" and entry.side_channel_port == 10100 + 16 + 8
     assert NODE_ADDRESS not in json.dumps(node3.processes[0].env)
 
 
@@ -200,40 +197,6 @@ def test_record_never_overwrites_and_merge_carries_it(tmp_path: Path) -> None:
         assert sorted(f["fabric"]) == ["decode", "decode#2"]
         np.testing.assert_array_equal(f["fabric/decode/bandwidth_gbps"][()], _result().gbps)
         assert f["fabric/decode#2/bandwidth_gbps"].shape == (2, 2)
-
-
-# ---- the discovery file ----------------------------------------------------------------------------------------------
-
-_WRITER = """
-import sys
-from llmd.fabric.discovery import publish
-path, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-for k in range(n):
-    publish(path, [{"name": f"{who}-{k}", "url": "http://127.0.0.1:1"}])
-"""
-
-
-def test_discovery_concurrent_appends_keep_every_entry(tmp_path: Path) -> None:
-    path = tmp_path / "discovery.json"
-    publish(path, [{"name": "keep", "url": "http://h:1"}])
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), f"w{k}", "15"], cwd=ROOT) for k in range(4)]
-    for p in procs:
-        assert p.wait(timeout=120) == 0
-    names = [e["name"] for e in read_entries(path)]
-    assert sorted(names) == sorted(["keep"] + [f"w{k}-{i}" for k in range(4) for i in range(15)])
-    # Same name again: replaced, not duplicated; the router reads the result.
-    publish(path, [{"name": "keep", "url": "http://h:2"}])
-    pods = {p.name: p for p in parse_discovery(json.loads(path.read_text()))}
-    assert len(pods) == 61 and pods["keep"].url == "http://h:2"
-    assert not list(tmp_path.glob(".*.tmp"))
-
-
-def test_discovery_refuses_a_broken_file_and_leaves_it(tmp_path: Path) -> None:
-    path = tmp_path / "discovery.json"
-    path.write_text("[{not json")
-    with pytest.raises(UserError, match="not valid JSON"):
-        publish(path, [{"name": "a", "url": "http://h:1"}])
-    assert path.read_text() == "[{not json"
 
 
 def test_fabric_plan_cli_prints_every_node(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ import zmq.asyncio
 from netutil import DroppingSimServer, free_ports
 from netutil import run as run_bounded
 
+from llmd.discovery import PodInfo, parse_discovery
 from llmd.engines.sim.core import SimEngineConfig
 from llmd.engines.sim.publisher import KVEventPublisher
 from llmd.engines.sim.runner import FaultConfig
@@ -32,7 +33,7 @@ from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from llmd.kv.index import KVIndex
 from llmd.router import pd as hops
 from llmd.router.admission import Admission, QueueFull
-from llmd.router.endpoints import PodInfo, parse_discovery, parse_engine_gauges
+from llmd.router.endpoints import parse_engine_gauges
 from llmd.router.events import RankSubscription
 from llmd.router.proxy import Router, RouterConfig
 from llmd.spec.model import RouterSpec

@@ -43,7 +43,7 @@ def place(p: Placement) -> None:
         argv = sim_argv(p.spec_path, ep, p.addresses[k], p.nodes[k], True, p.python)
         env = {**p.spec.engine.env, **p.pool.env}
         entry = p.entry(ep, k)
-        p.procs[k].append(EngineProcess(ep.name, argv, env, ep.http_port, f"{entry['url']}/health", [entry]))
+        p.procs[k].append(EngineProcess(ep.name, argv, env, ep.http_port, f"{entry.url}/health", [entry]))
     for k in range(len(p.nodes)):
         # The sim runs every rank in one server, but the layout (and the plan shown to people) is vLLM's.
         p.ranks[k] = [r for r in range(p.pool.dp_size) if min(r // p.local, p.per_replica - 1) == k % p.per_replica]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmd.discovery import PodInfo
 from llmd.engines.vllm import (
     DP_RPC_OFFSET,
     NODE_ADDRESS,
@@ -44,7 +45,6 @@ from llmd.engines.vllm import (
 )
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.errors import UserError
-from llmd.router.endpoints import PodInfo
 from llmd.spec.layout import KV_EVENTS_OFFSET, REPLAY_OFFSET, SIDE_CHANNEL_OFFSET, EngineEndpoint, engine_endpoints
 from llmd.spec.model import DeploymentSpec
 

@@ -24,7 +24,7 @@ single process without a launcher (1 node). It
    `prefill rank 1 (node2) -> rank 3 (node4): 0.41 GB/s < 1 GB/s`.
 3. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's
    address; vllm: llmd.engines.vllm.vllm_launches with addresses resolved), logs in DIR/logs/engines/<name>.log,
-   waits for /health, then appends the node's entries to DIR/discovery.json (llmd.fabric.discovery: locked, atomic;
+   waits for /health, then appends the node's entries to DIR/discovery.json (llmd.discovery: locked, atomic;
    the router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the task
    exit with the engine's status (128+signal if killed), its log tail on stderr and, as the last line,
    `<name>: engine exited with code <rc>`, so `srun --kill-on-bad-exit` ends the job with a cause to report (under

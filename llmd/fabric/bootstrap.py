@@ -203,8 +203,8 @@ def _exit_code(returncode: int) -> int:
 
 def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
     """Start this node's engines, announce them once healthy, supervise until a signal or an engine's death."""
+    from llmd.discovery import FILE_NAME, publish
     from llmd.engines.vllm_server import log_tail, stop_process_group, wait_healthy
-    from llmd.fabric.discovery import FILE_NAME, publish
 
     run_dir = Path(args.run_dir)
     # A folder of their own: the launcher's srun writes each task's output to logs/<role>-<task>.log.
@@ -227,7 +227,7 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
         entries = [e for proc, _, _ in started for e in proc.discovery]
         if entries:
             publish(run_dir / FILE_NAME, entries)
-        ready = ", ".join(f"{e['name']} at {e['url']}" for e in entries) or "no HTTP endpoint on this node"
+        ready = ", ".join(f"{e.name} at {e.url}" for e in entries) or "no HTTP endpoint on this node"
         _log(plan.role, plan.index, f"ready: {ready}")
         while True:
             for proc, child, log in started:

@@ -3,15 +3,15 @@
 Node k of the `role` pool belongs to replica k // nodes_per_replica (its node k % nodes_per_replica). Which processes
 run where is the engine kind's (its `place`, llmd.engines.kinds): for vllm, llmd/engines/vllm_kind.py; for the
 simulated engine, llmd/engines/sim_kind.py. Ports come from llmd.spec.layout.
-Each process that serves HTTP carries the discovery entries (llmd.router.endpoints format) to publish once healthy.
+Each process that serves HTTP carries the discovery entries (llmd.discovery) to publish once healthy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from llmd.discovery import PodInfo, entry_for
 from llmd.engines.kinds import engine_kind
 from llmd.engines.vllm import NODE_ADDRESS, LaunchMode, dp_local
 from llmd.errors import UserError
@@ -30,7 +30,7 @@ class EngineProcess:
     env: dict[str, str]
     http_port: int | None  # None: headless, no /health to wait for
     health_url: str | None
-    discovery: list[dict[str, Any]] = field(default_factory=list)
+    discovery: list[PodInfo] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ class Placement:
         last = first + self.per_replica - 1
         return [self.addresses[min(first + r // self.local, last)] for r in range(self.pool.dp_size)]
 
-    def entry(self, ep: EngineEndpoint, k: int) -> dict[str, Any]:
+    def entry(self, ep: EngineEndpoint, k: int) -> PodInfo:
         """The discovery entry of a replica's server on node k."""
-        return _entry(ep, self.addresses[k], self.nodes[k], self.rank_hosts(ep.replica))
+        return entry_for(ep, self.addresses[k], node=self.nodes[k], rank_hosts=self.rank_hosts(ep.replica))
 
 
 def resolve(text: str, heads: dict[str, str], node_address: str) -> str:
@@ -90,39 +90,22 @@ def resolve(text: str, heads: dict[str, str], node_address: str) -> str:
     return text.replace(NODE_ADDRESS, node_address)
 
 
-def _entry(ep: EngineEndpoint, address: str, node: str, rank_hosts: list[str]) -> dict[str, Any]:
-    return {
-        "name": ep.name,
-        "role": ep.role,
-        "url": f"http://{address}:{ep.http_port}",
-        "dp_size": ep.dp_size,
-        "kv_events_endpoint": ep.kv_events_endpoint(bind=True),
-        "kv_events_replay_endpoint": ep.replay_endpoint(bind=True),
-        "side_channel_host": address,
-        "side_channel_port": ep.side_channel_port,
-        "engine_id": ep.engine_id,
-        # Extra fields for people and other readers (the router ignores them): where each DP rank runs.
-        "node": node,
-        "rank_hosts": rank_hosts,
-    }
-
-
-def rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: str) -> dict[str, Any]:
+def rank_entry(ep: EngineEndpoint, rank: int, port: int, address: str, node: str) -> PodInfo:
     # Mode "per-rank": each DP rank is its own API server and pod; vLLM names rank r's NIXL engine `<id>_dp<r>`.
-    return {
-        "name": f"{ep.name}-dp{rank}",
-        "role": ep.role,
-        "url": f"http://{address}:{port}",
-        "dp_size": 1,
-        "kv_events_endpoint": f"tcp://*:{ep.kv_events_port + rank}",
-        "kv_events_replay_endpoint": f"tcp://*:{ep.replay_port + rank}",
-        "side_channel_host": address,
-        "side_channel_port": ep.side_channel_port + rank,
-        "engine_id": ep.engine_id if rank == 0 else f"{ep.engine_id}_dp{rank}",
-        "node": node,
-        "replica": ep.replica,
-        "dp_rank": rank,
-    }
+    return PodInfo(
+        name=f"{ep.name}-dp{rank}",
+        role=ep.role,
+        url=f"http://{address}:{port}",
+        dp_size=1,
+        kv_events_endpoint=f"tcp://*:{ep.kv_events_port + rank}",
+        kv_events_replay_endpoint=f"tcp://*:{ep.replay_port + rank}",
+        side_channel_host=address,
+        side_channel_port=ep.side_channel_port + rank,
+        engine_id=ep.engine_id if rank == 0 else f"{ep.engine_id}_dp{rank}",
+        node=node,
+        replica=ep.replica,
+        dp_rank=rank,
+    )
 
 
 def plan_nodes(

@@ -3,8 +3,9 @@ router until a signal.
 
 SIGTERM or SIGINT stops it.
 
-Engines come from the spec's layout (llmd.spec.layout) or, with --discovery, from the JSON file launchers write
-(reloaded when it changes). The API key, if the spec's router.api_key_env names a variable, is read from it.
+Engines come from the spec's layout (llmd.spec.layout) or, with --discovery, from the discovery file the engines add
+themselves to (llmd.discovery; reloaded when it changes). The API key, if the spec's router.api_key_env names a
+variable, is read from it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     p.add_argument("--spec", required=True, help="deployment spec YAML (model, router settings, engine layout)")
-    p.add_argument("--discovery", help="JSON file listing the engines (written by launchers); replaces the layout")
+    p.add_argument("--discovery", help="JSON file the engines add themselves to once healthy; replaces the layout")
     p.add_argument("--host", help="listen address (default: the spec's router.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default: the spec's router.port)")
     p.add_argument("--policy", choices=typing.get_args(RouterPolicy), help="routing policy (default: the spec's)")
@@ -47,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build(args: argparse.Namespace) -> Any:
     """The Router the flags describe (not started)."""
-    from llmd.router.endpoints import load_discovery, pods_from_spec
+    from llmd.discovery import read_discovery
+    from llmd.router.endpoints import pods_from_spec
     from llmd.router.proxy import Router, RouterConfig
     from llmd.spec import SpecError, load_spec
 
@@ -69,7 +71,7 @@ def build(args: argparse.Namespace) -> Any:
     if args.discovery is not None:
         path = Path(args.discovery)
         if path.exists():
-            load_discovery(path)  # a bad file is the user's to fix now, not a warning in a log
+            read_discovery(path)  # a bad file is the user's to fix now, not a warning in a log
         elif not path.parent.is_dir():
             raise UserError(f"--discovery {path}: folder {path.parent} does not exist")
         pods: list[Any] = []

@@ -1,24 +1,12 @@
-"""The router's view of the engine pods: where they are (the spec's layout or a discovery file that launchers write),
-whether they are alive (/health every second) and how loaded they are (a cheap poll of vLLM's /metrics gauges).
-
-Discovery file: a JSON list, one entry per engine server (pod), reloaded whenever its mtime changes:
-
-    [{"name": "decode-0", "role": "decode", "url": "http://10.0.0.5:8200", "dp_size": 1,
-      "kv_events_endpoint": "tcp://*:9200", "side_channel_host": "10.0.0.5", "side_channel_port": 10200,
-      "engine_id": "decode-0", "kv_events_replay_endpoint": "tcp://*:9300"}]
-
-`kv_events_endpoint` is rank 0's endpoint as the engine was configured (rank r publishes on port + r). A `*` host means
-the engine binds and the router connects to the pod's host; an explicit host is the address the router connects to,
-unless the entry says `"kv_events_bind": true` (vLLM given an explicit host connects, so the router must bind there).
-`engine_id` is the NixlConnector engine id (vLLM appends `_dp<rank>` when a server runs several DP ranks); without it
-the router learns a pod's id from its own prefill responses, and cannot ask a pod for a P2P pull before that.
+"""The router's view of the engine pods: where they are (the spec's layout or the discovery file engines write, see
+llmd.discovery), whether they are alive (/health every second) and how loaded they are (a cheap poll of vLLM's
+/metrics gauges).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -26,77 +14,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 
+from llmd.discovery import PodInfo, rank_address, read_discovery
 from llmd.errors import UserError
 from llmd.router.scheduling.kv_demand import InflightKV
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
 # vLLM's gauges the router reads; labelled by `engine` = the DP rank.
 _GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
-
-
-@dataclass(frozen=True)
-class PodInfo:
-    """One engine server (all its DP ranks), as the spec or a discovery file describes it."""
-
-    name: str
-    role: str
-    url: str
-    dp_size: int = 1
-    kv_events_endpoint: str | None = None  # rank 0's, as the engine was configured
-    kv_events_replay_endpoint: str | None = None  # rank 0's replay ROUTER; None: ask the pod (/kv_event_sources)
-    kv_events_bind: bool = False
-    side_channel_host: str | None = None
-    side_channel_port: int | None = None  # rank 0's; rank r answers on port + r
-    engine_id: str | None = None  # the server's NixlConnector engine id (rank 0's base)
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
-
-    @property
-    def serves_decode(self) -> bool:
-        return self.role != "prefill"
-
-    def events_address(self, rank: int) -> tuple[str, bool] | None:
-        """(ZMQ address, bind?) of rank `rank`'s KV event stream, as the router's SUB socket must use it."""
-        return _rank_address(self.kv_events_endpoint, rank, self.host, self.kv_events_bind)
-
-    def replay_address(self, rank: int) -> str | None:
-        got = _rank_address(self.kv_events_replay_endpoint, rank, self.host, False)
-        return got[0] if got else None
-
-    def engine_id_of(self, rank: int) -> str | None:
-        if self.engine_id is None:
-            return None
-        return self.engine_id if self.dp_size == 1 else f"{self.engine_id}_dp{rank}"
-
-    def side_channel_of(self, rank: int) -> tuple[str, int] | None:
-        if self.side_channel_port is None:
-            return None
-        return (self.side_channel_host or self.host, self.side_channel_port + rank)
-
-
-def _rank_address(endpoint: str | None, rank: int, host: str, bind: bool) -> tuple[str, bool] | None:
-    if not endpoint:
-        return None
-    if not endpoint.startswith("tcp://"):
-        return endpoint, bind  # ipc:// and friends: used as given (one rank per endpoint)
-    base, _, port = endpoint.rpartition(":")
-    addr_host = base[len("tcp://") :]
-    if addr_host in ("*", "0.0.0.0", "::", "[::]"):
-        # The engine binds every interface: reach it at the pod's own host.
-        return f"tcp://{host}:{int(port) + rank}", False
-    return f"tcp://{addr_host}:{int(port) + rank}", bind
 
 
 @dataclass
@@ -168,71 +100,6 @@ def pods_from_spec(spec: Any, host: str = "127.0.0.1") -> list[PodInfo]:
             )
         )
     return pods
-
-
-_FIELDS = {
-    "name": str,
-    "role": str,
-    "url": str,
-    "dp_size": int,
-    "kv_events_endpoint": (str, type(None)),
-    "kv_events_replay_endpoint": (str, type(None)),
-    "kv_events_bind": bool,
-    "side_channel_host": (str, type(None)),
-    "side_channel_port": (int, type(None)),
-    "engine_id": (str, type(None)),
-}
-_REQUIRED = ("name", "url")
-
-
-def parse_discovery(data: Any, source: str = "discovery file") -> list[PodInfo]:
-    """Validate a discovery document; UserError names the entry and field at fault."""
-    if not isinstance(data, list):
-        raise UserError(f"{source}: expected a JSON list of engine entries, got {type(data).__name__}")
-    pods: list[PodInfo] = []
-    names: set[str] = set()
-    for i, entry in enumerate(data):
-        where = f"{source}: entry {i}"
-        if not isinstance(entry, dict):
-            raise UserError(f"{where}: expected an object like {{'name': ..., 'url': ...}}")
-        for key in _REQUIRED:
-            if key not in entry:
-                raise UserError(f"{where}: missing {key!r}")
-        kw: dict[str, Any] = {}
-        for key, value in entry.items():
-            want = _FIELDS.get(key)
-            if want is None:
-                continue  # launchers may add fields for other readers
-            is_bool_for_number = isinstance(value, bool) and want is not bool
-            if is_bool_for_number or not isinstance(value, want):
-                raise UserError(f"{where}: {key!r} has the wrong type ({type(value).__name__})")
-            kw[key] = value
-        kw.setdefault("role", "both")
-        if kw["role"] not in ROLES:
-            raise UserError(f"{where}: role {kw['role']!r} is not one of {', '.join(ROLES)}")
-        if kw.get("dp_size", 1) < 1:
-            raise UserError(f"{where}: dp_size must be >= 1")
-        url = urlsplit(kw["url"])
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise UserError(f"{where}: url {kw['url']!r} is not an http(s) URL like http://10.0.0.5:8200")
-        kw["url"] = kw["url"].rstrip("/")
-        if kw["name"] in names:
-            raise UserError(f"{where}: name {kw['name']!r} appears twice")
-        names.add(kw["name"])
-        pods.append(PodInfo(**kw))
-    return pods
-
-
-def load_discovery(path: str | os.PathLike[str]) -> list[PodInfo]:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise UserError(f"cannot read the discovery file {path}: {exc.strerror or exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"discovery file {path} is not valid JSON: {exc}") from exc
-    return parse_discovery(data, str(path))
 
 
 # ---- the registry ----------------------------------------------------------------------------------------------------
@@ -351,19 +218,24 @@ class EndpointRegistry:
         """Re-read the discovery file if its mtime changed; True if the pod set was replaced."""
         assert self.discovery is not None
         try:
-            mtime = self.discovery.stat().st_mtime_ns
+            st = self.discovery.stat()
         except OSError:
             return False  # not written yet (or being replaced): keep what we have
-        if mtime == self._mtime:
+        if st.st_mtime_ns == self._mtime:
+            return False
+        if st.st_size == 0:
+            # read_discovery takes an empty file for "no engines yet"; here it is more likely a writer that truncates
+            # before writing (not llmd.discovery.publish, which renames): keep the current set until it is written.
+            self.discovery_errors += 1
             return False
         try:
-            infos = load_discovery(self.discovery)
+            infos = read_discovery(self.discovery)
         except UserError as exc:
             # A half-written file: keep the current set, try again on the next change (or the next poll).
             self.discovery_errors += 1
             log.warning("%s", exc)
             return False
-        self._mtime = mtime
+        self._mtime = st.st_mtime_ns
         self.set_pods(infos)
         return True
 
@@ -439,7 +311,7 @@ class EndpointRegistry:
             if isinstance(src, dict) and isinstance(src.get("replay_endpoint"), str):
                 with contextlib.suppress(ValueError):
                     rank = int(rank_s)
-                    got = _rank_address(src["replay_endpoint"], 0, pod.info.host, False)
+                    got = rank_address(src["replay_endpoint"], 0, pod.info.host, False)
                     if got is not None:
                         pod.replay_endpoints[rank] = got[0]
 

@@ -35,6 +35,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.kv.index import KVIndex
@@ -42,7 +43,7 @@ from llmd.metrics.schema import pd_path_of
 from llmd.net import http_client
 from llmd.router import pd as hops
 from llmd.router.admission import Admission, QueueFull
-from llmd.router.endpoints import EndpointRegistry, Pod, PodInfo
+from llmd.router.endpoints import EndpointRegistry, Pod
 from llmd.router.events import KVEventHub
 from llmd.router.metrics import CONTENT_TYPE, RouterMetrics, state_families
 from llmd.router.recorder import RouterRecorder

@@ -62,6 +62,11 @@ class _SpecLoader(yaml.SafeLoader):
         return sign * int(digits, 10)
 
 
+def load_yaml(text: str) -> Any:
+    """YAML read by the spec's rules (a SafeLoader, YAML 1.2 scalars), for files that hold spec fragments (sweeps)."""
+    return yaml.load(text, Loader=_SpecLoader)
+
+
 class _SpecDumper(yaml.SafeDumper):
     """Quotes any string the spec loader would read as something else, so dumps load back unchanged."""
 

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from launchers.plan import plan_job
+from launchers.runstate import read_state, update_state
 from launchers.script import SUBMITIT_SIGNAL, render_plain, render_submitit
 from llmd.cli import main
 from llmd.errors import UserError
-from llmd.launch.runstate import read_state, update_state
 from llmd.spec import parse_spec
 from sweeps.grid import expand
 
@@ -95,6 +95,16 @@ def test_starter_choice_and_plain_template(tmp_path: Path) -> None:
     assert "submitit" not in plain.lower().replace("(no submitit)", "")
     assert re.search(r"^srun --het-group=0 .* -m launchers\.main_job --spec \S+/run/spec\.yaml", plain, re.M)
     assert plain.startswith("#!/bin/bash\n") and plain.endswith("exit $rc\n")
+
+
+def test_the_job_runs_the_source_tree_that_planned_it(tmp_path: Path) -> None:
+    # Only python is given on the command lines; which llmd it imports must not depend on what it has installed.
+    root = Path(__file__).resolve().parents[2]
+    for script in (render_plain(plan_job(_spec(), tmp_path / "run", tmp_path, gpus=False)),
+                   render_submitit(plan_job(_spec(), tmp_path / "run", tmp_path, gpus=False))):  # fmt: skip
+        lines = script.splitlines()
+        export = lines.index(f"export PYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}}")
+        assert export < min(i for i, line in enumerate(lines) if "srun " in line), "before any step starts"
 
 
 def test_submitit_signal_matches_submitit() -> None:
@@ -188,7 +198,7 @@ def test_example_sweep_dry_run(capsys, monkeypatch) -> None:
 
 
 def test_follow_limit_reads_every_slurm_time_format() -> None:
-    from llmd.launch.cli import _limit_s
+    from launchers.cli import _limit_s
 
     assert _limit_s("90") == 5400
     assert _limit_s("10:30") == 630

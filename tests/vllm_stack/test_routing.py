@@ -37,10 +37,10 @@ from vllmutil import (
     words,
 )
 
+from llmd.discovery import PodInfo
 from llmd.engines.vllm_deploy import VllmDeployment, with_free_ports
 from llmd.kv.events import BlockStored, KVEventDecoder, is_replay_end, replay_request
 from llmd.kv.hashing import BlockHasher
-from llmd.router.endpoints import PodInfo
 from llmd.router.proxy import Router
 from llmd.spec.model import DeploymentSpec
 

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from llmd.discovery import PodInfo
 from llmd.engines.vllm_deploy import VllmDeployment, vllm_installed
-from llmd.router.endpoints import PodInfo
 from llmd.router.proxy import Router, RouterConfig
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32

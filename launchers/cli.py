@@ -1,7 +1,7 @@
-"""`llmd launch SPEC`, `llmd status RUN`, `llmd cancel RUN`, `llmd sweep SWEEP`: the Slurm side of llmd.
+"""`llmd launch SPEC`, `llmd status RUN`, `llmd cancel RUN`: the Slurm side of llmd (`llmd sweep` is sweeps.cli).
 
 `llmd launch SPEC` makes a run folder under the spec's output.dir (spec.yaml, run.json, logs/, discovery.json,
-metrics.h5), submits one heterogeneous job through submitit (launchers/) and follows it until it ends.
+metrics.h5), submits one heterogeneous job through submitit (launchers.executor) and follows it until it ends.
 """
 
 from __future__ import annotations
@@ -56,12 +56,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("run", help="run folder or Slurm job id")
     c.set_defaults(func=cmd_cancel)
 
-    w = sub.add_parser("sweep", help="run a grid of spec variants as one Slurm job array")
-    w.add_argument("sweep", help="sweep YAML: base spec + grid of dotted-key overrides (see sweeps/README.md)")
-    w.add_argument("--dry-run", action="store_true", help="list the variants and print the array script; no job")
-    w.add_argument("--no-follow", action="store_true", help="return once submitted")
-    w.set_defaults(func=cmd_sweep)
-
 
 def _starter(choice: str) -> str:
     if choice == "auto":
@@ -95,11 +89,11 @@ def _have(cmd: str) -> bool:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from launchers.cluster import job_state, require
+    from launchers.follow import describe, follow, remember
     from launchers.plan import plan_job
+    from launchers.prepare import absolute_spec, check_launchable, create_run_dir, new_run_dir
+    from launchers.runstate import update_state
     from launchers.script import render_plain, render_submitit
-    from llmd.launch.follow import describe, follow, remember
-    from llmd.launch.prepare import absolute_spec, check_launchable, create_run_dir, new_run_dir
-    from llmd.launch.runstate import update_state
     from llmd.spec import load_spec
 
     if not args.dry_run and not args.render_sbatch:
@@ -170,7 +164,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from launchers.cluster import job_state
-    from llmd.launch.follow import current, describe, find_run
+    from launchers.follow import current, describe, find_run
 
     run_dir = find_run(args.run)
     state = current(run_dir, job_state if _have("squeue") else None)
@@ -180,8 +174,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from launchers.cluster import cancel
-    from llmd.launch.follow import find_run
-    from llmd.launch.runstate import is_final, read_state, update_state
+    from launchers.follow import find_run
+    from launchers.runstate import is_final, read_state, update_state
 
     run_dir = find_run(args.run)
     state = read_state(run_dir)
@@ -196,9 +190,3 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     update_state(run_dir, state="CANCELLED", phase="cancelled", cause=cause)
     print(f"llmd cancel: cancelled job {job_id} ({run_dir})")
     return 0
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from sweeps.array import run_sweep
-
-    return run_sweep(Path(args.sweep), dry_run=args.dry_run, follow=not args.no_follow)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from launchers.runstate import is_final, read_state, update_state
 from llmd.errors import UserError
-from llmd.launch.runstate import is_final, read_state, update_state
 
 FOLLOW_POLL_S = 2.0
 SLURM_GRACE_S = 60.0
