@@ -99,7 +99,7 @@ def test_approximate_router_learns_characters_per_token_from_the_engine(model_di
                 while not router.registry.healthy():
                     assert time.monotonic() - t0 < 10
                     await asyncio.sleep(0.05)
-                before = router._chars_per_token
+                before = router.core.chars_per_token
                 async with aiohttp.ClientSession() as http:
                     for i in range(8):
                         prompt = f"agent {i} " + "word " * PROMPT_WORDS
@@ -109,7 +109,7 @@ def test_approximate_router_learns_characters_per_token_from_the_engine(model_di
                         async with http.post(router.url + "/v1/completions", json=body) as r:
                             assert r.status == 200
                             await r.read()
-                return before, router._chars_per_token
+                return before, router.core.chars_per_token
 
     before, after = run(body, 30.0)
     from llmd.tokens import Tokenizer

@@ -32,7 +32,6 @@ from llmd.errors import UserError
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from llmd.kv.index import KVIndex
 from llmd.router import pd as hops
-from llmd.router.admission import Admission, QueueFull
 from llmd.router.endpoints import parse_engine_gauges
 from llmd.router.events import RankSubscription
 from llmd.router.proxy import Router, RouterConfig
@@ -477,7 +476,7 @@ def test_p2p_overloaded_holder_is_pulled_from(model_dir: Path, mode: str) -> Non
                     )
                     for i in range(2)
                 ]
-                await until(lambda: router.registry.pods[holder].ranks[0].inflight == 2, what="holder full")
+                await until(lambda: router.core.ledger.inflight((holder, 0)) == 2, what="holder full")
                 st, r, h = await post(
                     http, router.url + "/v1/completions", {"prompt": prefix + " and more", "max_tokens": 2}
                 )
@@ -529,7 +528,7 @@ def test_p2p_pull_failure_is_retried_without_transfer(model_dir: Path) -> None:
                 busy = asyncio.create_task(
                     post(http, router.url + "/v1/completions", {"prompt": prefix, "max_tokens": 60, "ignore_eos": True})
                 )
-                await until(lambda: router.registry.pods[holder].ranks[0].inflight == 1, what="holder full")
+                await until(lambda: router.core.ledger.inflight((holder, 0)) == 1, what="holder full")
                 st, r, h = await post(
                     http, router.url + "/v1/completions", {"prompt": prefix + " x", "max_tokens": 2, "stream": True}
                 )
@@ -552,11 +551,11 @@ def test_queue_full_answers_429_with_retry_after(model_dir: Path) -> None:
                 url = router.url + "/v1/completions"
                 req = {"prompt": "x", "max_tokens": 60, "ignore_eos": True}
                 running = asyncio.create_task(post(http, url, req))
-                await until(lambda: router.admission.stats()["inflight"] == 1, what="one in flight")
+                await until(lambda: router.core.stats()["inflight"] == 1, what="one in flight")
                 queued = [
                     asyncio.create_task(post(http, url, req, headers={"X-Session-Id": f"q{i}"})) for i in range(2)
                 ]
-                await until(lambda: router.admission.waiting == 2, what="two queued")
+                await until(lambda: router.core.queue.waiting == 2, what="two queued")
                 st, r, h = await post(http, url, req)
                 assert st == 429 and int(h["Retry-After"]) >= 1
                 assert r["error"]["type"] == "RateLimitError" and r["error"]["code"] == 429
@@ -566,71 +565,6 @@ def test_queue_full_answers_429_with_retry_after(model_dir: Path) -> None:
                 text = await metric_text(http, router.url)
                 assert metric(text, "llmd_router_queue_rejected_total") == 1
                 assert metric(text, "llmd_router_requests_total", route="/v1/completions", status="429") == 1
-
-    run(body)
-
-
-def test_fair_queueing_round_robins_sessions() -> None:
-    async def body() -> None:
-        adm = Admission(max_inflight=1, queue_limit=100)
-        room = {"free": True}
-        order: list[str] = []
-
-        def choose_for(tag: str) -> Callable[[], str | None]:
-            def choose() -> str | None:
-                if not room["free"]:
-                    return None
-                room["free"] = False
-                return tag
-
-            return choose
-
-        async def req(session: str, i: int) -> None:
-            await adm.admit(session, choose_for(f"{session}{i}"), lambda _: None)
-            order.append(f"{session}{i}")
-
-        room["free"] = False
-        tasks = [asyncio.create_task(req("a", i)) for i in range(4)]  # a burst from one session first
-        tasks += [asyncio.create_task(req(s, 0)) for s in "bc"]
-        await asyncio.sleep(0.01)
-        for _ in range(6):
-            room["free"] = True
-            adm.pump()
-            await asyncio.sleep(0)
-        await asyncio.gather(*tasks)
-        assert order == ["a0", "b0", "c0", "a1", "a2", "a3"]
-        adm2 = Admission(max_inflight=1, queue_limit=0)
-        with pytest.raises(QueueFull):
-            await adm2.admit("s", lambda: None, lambda _: None)
-
-    run(body)
-
-
-def test_a_request_whose_endpoint_has_room_passes_requests_waiting_for_full_ones() -> None:
-    """A waiter held for the engine that holds its prefix (full now) does not hold back a newcomer whose choice has
-    room: the newcomer is admitted when it arrives, not at the next release."""
-
-    async def body() -> None:
-        adm = Admission(max_inflight=4, queue_limit=100)
-        full = {"holder"}
-        got: list[str] = []
-
-        def choose_for(target: str) -> Callable[[], str | None]:
-            return lambda: None if target in full else target
-
-        async def req(session: str, target: str) -> None:
-            got.append(await adm.admit(session, choose_for(target), lambda _: None))
-
-        waiting = asyncio.create_task(req("a", "holder"))
-        await asyncio.sleep(0.01)
-        assert adm.waiting == 1 and not got
-        newcomer = asyncio.create_task(req("b", "other"))
-        await asyncio.sleep(0.01)
-        assert got == ["other"] and adm.waiting == 1  # admitted at once, past the waiter
-        full.clear()
-        adm.pump()  # the holder freed (a release, or the proxy's timer when patience runs out)
-        await asyncio.gather(waiting, newcomer)
-        assert got == ["other", "holder"] and adm.waiting == 0
 
     run(body)
 
@@ -1074,18 +1008,26 @@ def test_engine_gauges_include_kv_capacity_from_cache_config_info() -> None:
 
 
 def test_waiting_for_a_holder_reruns_the_queue_when_the_patience_runs_out() -> None:
-    """The proxy's pump timer: the earliest asked-for time wins, and the queue runs once then even if nothing frees."""
+    """The proxy's pump timer: the earliest time the core asked for wins, and the queue runs once then even if
+    nothing frees."""
 
     async def body() -> None:
         router = Router(RouterConfig())
         pumps: list[float] = []
-        router.admission.pump = lambda: pumps.append(time.monotonic()) or 0  # type: ignore[method-assign]
+        core_pump = router.core.pump
+
+        def pump(now: float) -> list[Any]:
+            pumps.append(time.monotonic())
+            return core_pump(now)
+
+        router.core.pump = pump  # type: ignore[method-assign]
         t0 = time.monotonic()
-        router._pump_in(0.3)
-        router._pump_in(0.05)  # earlier: replaces the 0.3 s timer
-        router._pump_in(0.2)  # later than the pending one: ignored
+        for delay in (0.3, 0.05, 0.2):  # 0.05 replaces the 0.3 s timer; 0.2, later than the pending one, is ignored
+            router.core._ask_at(t0 + delay)
+            router._arm()
         await asyncio.sleep(0.4)
         assert len(pumps) == 1 and 0.04 <= pumps[0] - t0 < 0.25
+        assert router.core.next_wakeup() is None
         await router.stop()
 
     run(body)

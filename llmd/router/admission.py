@@ -1,23 +1,22 @@
-"""Admission control: a bounded number of requests in flight per engine endpoint, the rest waiting in the router.
+"""Admission's wait queue: requests the engines have no room for wait here, fair across sessions. Pure, no I/O.
 
 Why in the router: an engine given more than it can batch preempts (recomputes) running requests, which agentic
 contexts of 100K+ tokens make very expensive; waiting here costs nothing and lets the scheduler decide late, with the
 freshest index. Waiting is fair across sessions: the queue is a round-robin over sessions, each with its own FIFO, so
 one agent's burst of sub-agents cannot starve the others. Only a full router queue is refused (429 + Retry-After).
 
-The scheduling decision is made by the caller's `choose()`, run at admission time (no await between choosing and
-taking the slot, so two requests never take the last slot of one endpoint).
+The queue holds plain entries; `pump(choose)` runs the caller's decision for the heads in turn and returns which were
+admitted. Slots (how many requests each endpoint may have in flight) are the router core's ledger.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+E = TypeVar("E", bound=Hashable)
 T = TypeVar("T")
 _HEAD_TRIES = 16
 
@@ -30,118 +29,72 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-class _Waiter(Generic[T]):
-    __slots__ = ("choose", "future", "session", "since")
+class WaitQueue(Generic[E]):
+    """A session-fair queue of waiting entries: round-robin over sessions, FIFO within one."""
 
-    def __init__(self, session: str, choose: Callable[[], T | None], future: asyncio.Future[T]) -> None:
-        self.session = session
-        self.choose = choose
-        self.future = future
-        self.since = time.monotonic()
-
-
-class Admission:
-    """Per-endpoint in-flight slots plus a session-fair wait queue."""
-
-    def __init__(self, max_inflight: int, queue_limit: int) -> None:
-        if max_inflight < 1 or queue_limit < 0:
-            raise ValueError("max_inflight must be >= 1 and queue_limit >= 0")
-        self.max_inflight = max_inflight
+    def __init__(self, queue_limit: int) -> None:
+        if queue_limit < 0:
+            raise ValueError("queue_limit must be >= 0")
         self.queue_limit = queue_limit
-        self.inflight: dict[Hashable, int] = {}
-        self._sessions: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # round-robin order: first is next
+        self._sessions: OrderedDict[str, deque[E]] = OrderedDict()  # round-robin order: first is next
         self.waiting = 0
         self.admitted = 0
         self.rejected = 0
-        self._done_rate = _Rate()
 
-    # -- slots
-    def has_room(self, key: Hashable) -> bool:
-        return self.inflight.get(key, 0) < self.max_inflight
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
 
-    def take(self, key: Hashable) -> None:
-        self.inflight[key] = self.inflight.get(key, 0) + 1
+    @property
+    def full(self) -> bool:
+        return self.waiting >= self.queue_limit
 
-    def release(self, key: Hashable) -> None:
-        n = self.inflight.get(key, 0) - 1
-        if n > 0:
-            self.inflight[key] = n
-        else:
-            self.inflight.pop(key, None)
-        self._done_rate.tick()
-        if self.waiting:
-            self.pump()
-
-    # -- queue
-    async def admit(self, session: str, choose: Callable[[], T | None], undo: Callable[[T], None]) -> T:
-        """`choose()` returns a decision having taken its slot(s) with `take`, or None when no endpoint has room.
-
-        Requests wait while others wait (no overtaking the queue) or while nothing has room. `undo` gives back what a
-        decision took when its request was cancelled between being chosen and resuming.
-        """
-        queued = self.waiting
-        if not queued:
-            got = choose()
-            if got is not None:
-                self.admitted += 1
-                return got
-        if self.waiting >= self.queue_limit:
-            self.rejected += 1
-            raise QueueFull(self.retry_after())
-        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        w = _Waiter(session, choose, fut)
+    def push(self, session: str, entry: E) -> None:
+        """Queue `entry` behind its session's (the caller checks `full` first and counts what it refuses)."""
         q = self._sessions.get(session)
         if q is None:
             q = self._sessions[session] = deque()
-        q.append(w)
+        q.append(entry)
         self.waiting += 1
-        if queued:
-            # Others wait, maybe for endpoints that are full while this one's is not (a request waits for the engine
-            # holding its prefix): give it its turn in the round now rather than at the next release.
-            self.pump()
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                undo(fut.result())
-            else:
-                self._remove(w)
-            raise
 
-    def _remove(self, w: _Waiter) -> None:
-        q = self._sessions.get(w.session)
+    def remove(self, session: str, entry: E) -> bool:
+        """Take a waiting entry out (its request gave up); False if it was not waiting."""
+        q = self._sessions.get(session)
         if q is None:
-            return
+            return False
         try:
-            q.remove(w)
+            q.remove(entry)
         except ValueError:
-            return
+            return False
         self.waiting -= 1
         if not q:
-            del self._sessions[w.session]
+            del self._sessions[session]
+        return True
 
-    def pump(self) -> int:
-        """Admit waiters, one per session in turn, while endpoints have room; returns how many were admitted.
+    def pump(
+        self, choose: Callable[[E], T | None], alive: Callable[[E], bool] | None = None
+    ) -> list[tuple[E, T | Exception]]:
+        """Admit heads, one per session in turn, while `choose(entry)` finds room; returns what each admitted entry
+        got (a failing decision fails its entry, not the queue: the exception is its result).
 
         A head that finds no room (one waiting for the engine that holds its prefix, or whose retry excludes the only
         endpoint with room) lets the next sessions' heads try before the pump gives up, so one constrained request
-        cannot hold the queue.
+        cannot hold the queue. Heads that are no longer `alive` (their request went away) are dropped untried.
         """
-        n = 0
+        out: list[tuple[E, T | Exception]] = []
         sessions = self._sessions
         misses = 0
         while sessions and misses < min(len(sessions), _HEAD_TRIES):
             session, q = next(iter(sessions.items()))
-            w = q[0]
-            if w.future.done():  # cancelled; its task has not run its cleanup yet
+            entry = q[0]
+            if alive is not None and not alive(entry):
                 self._pop_head(session, q)
                 continue
             try:
-                got = w.choose()
-            except Exception as exc:  # a failing decision fails its request, not the queue
+                got = choose(entry)
+            except Exception as exc:
                 self._pop_head(session, q)
-                if not w.future.done():
-                    w.future.set_exception(exc)
+                out.append((entry, exc))
                 continue
             if got is None:
                 misses += 1
@@ -149,12 +102,11 @@ class Admission:
                 continue
             misses = 0
             self._pop_head(session, q)
-            w.future.set_result(got)
+            out.append((entry, got))
             self.admitted += 1
-            n += 1
-        return n
+        return out
 
-    def _pop_head(self, session: str, q: deque[_Waiter]) -> None:
+    def _pop_head(self, session: str, q: deque[E]) -> None:
         q.popleft()
         self.waiting -= 1
         if q:
@@ -162,42 +114,32 @@ class Admission:
         else:
             del self._sessions[session]
 
-    def retry_after(self) -> int:
-        """Seconds until the queue has likely drained enough to take a request: its length over the recent rate."""
-        rate = self._done_rate.per_second()
-        if rate <= 0:
-            return 1
-        return max(1, min(60, math.ceil(self.waiting / rate)))
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "waiting": self.waiting,
-            "sessions_waiting": len(self._sessions),
-            "inflight": sum(self.inflight.values()),
-            "admitted": self.admitted,
-            "rejected": self.rejected,
-        }
-
-
-class _Rate:
-    """Completions per second over a sliding ~10 s window, in two buckets (cheap: one add per release)."""
+class Rate:
+    """Events per second over a sliding ~10 s window, in two buckets (cheap: one add per event); time is passed in."""
 
     __slots__ = ("count", "prev", "start")
 
-    def __init__(self) -> None:
-        self.start = time.monotonic()
+    def __init__(self, now: float) -> None:
+        self.start = now
         self.count = 0
         self.prev = 0.0
 
-    def tick(self) -> None:
-        now = time.monotonic()
+    def tick(self, now: float) -> None:
         if now - self.start > 5.0:
             self.prev = self.count / (now - self.start)
             self.start = now
             self.count = 0
         self.count += 1
 
-    def per_second(self) -> float:
-        span = time.monotonic() - self.start
+    def per_second(self, now: float) -> float:
+        span = now - self.start
         cur = self.count / span if span > 0.5 else 0.0
         return max(cur, self.prev)
+
+
+def retry_after(waiting: int, rate: float) -> int:
+    """Seconds until a queue of `waiting` has likely drained enough to take a request at `rate` completions/s."""
+    if rate <= 0:
+        return 1
+    return max(1, min(60, math.ceil(waiting / rate)))

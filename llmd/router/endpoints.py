@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,10 @@ import aiohttp
 
 from llmd.discovery import PodInfo, rank_address, read_discovery
 from llmd.errors import UserError
-from llmd.router.scheduling.kv_demand import InflightKV
+from llmd.router.pods import Pod, RankState
 
 log = logging.getLogger(__name__)
+__all__ = ["EndpointRegistry", "Pod", "RankState", "parse_engine_gauges", "pods_from_spec"]
 
 # vLLM's gauges the router reads; labelled by `engine` = the DP rank.
 _GAUGES = {
@@ -29,52 +29,6 @@ _GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
-
-
-@dataclass
-class RankState:
-    """What the router knows about one DP rank's load. `inflight` is the router's own count (the freshest signal);
-    the rest comes from the engine's /metrics, at most one poll interval old."""
-
-    inflight: int = 0
-    inflight_tokens: int = 0
-    # KV the requests in flight may occupy (shared prompt blocks once, plus outputs): KV admission.
-    kv: InflightKV = field(default_factory=InflightKV)
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    # KV capacity in blocks, from vllm:cache_config_info: sizes the approximate scorer's memory of each pod.
-    kv_capacity_blocks: int = 0
-    cpu_capacity_blocks: int = 0
-    engine_id: str | None = None  # learned from a prefill response's kv_transfer_params
-    side_channel: tuple[str, int] | None = None  # likewise
-
-
-@dataclass
-class Pod:
-    info: PodInfo
-    healthy: bool = False
-    ranks: list[RankState] = field(default_factory=list)
-    failures: int = 0
-    last_change: float = 0.0
-    replay_endpoints: dict[int, str] = field(default_factory=dict)  # learned from /kv_event_sources
-
-    def __post_init__(self) -> None:
-        if not self.ranks:
-            self.ranks = [RankState() for _ in range(self.info.dp_size)]
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    def engine_id_of(self, rank: int) -> str | None:
-        return self.info.engine_id_of(rank) or self.ranks[rank].engine_id
-
-    def side_channel_of(self, rank: int) -> tuple[str, int] | None:
-        return self.info.side_channel_of(rank) or self.ranks[rank].side_channel
-
-    def replay_address(self, rank: int) -> str | None:
-        return self.info.replay_address(rank) or self.replay_endpoints.get(rank)
 
 
 # ---- where pods come from --------------------------------------------------------------------------------------------
@@ -193,9 +147,7 @@ class EndpointRegistry:
             return
         pod.healthy = False
         pod.last_change = time.monotonic()
-        for r in pod.ranks:
-            r.running = r.waiting = 0
-            r.kv_usage = 0.0
+        pod.clear_load()
         log.warning("pod %s is down%s", name, f": {reason}" if reason else "")
         for cb in self.on_down:
             cb(pod)

@@ -109,8 +109,9 @@ class _FnCollector(Collector):
         return []  # dynamic families: no up-front description
 
 
-def state_families(registry: Any, admission: Any, hub: Any, index: Any) -> Iterator[Any]:
-    """Per-pod gauges and event/index counters read at scrape time (registry: endpoints.EndpointRegistry)."""
+def state_families(registry: Any, core: Any, hub: Any, index: Any) -> Iterator[Any]:
+    """Per-pod gauges and event/index counters read at scrape time (registry: endpoints.EndpointRegistry; core:
+    core.RouterCore, whose ledger and queue say what the router has in flight and waiting)."""
     healthy = GaugeMetricFamily("llmd_router_pod_healthy", "1 if the pod passes health checks.", labels=["pod", "role"])
     inflight = GaugeMetricFamily("llmd_router_pod_inflight", "Requests the router has in flight per pod rank.",
                                  labels=["pod", "rank"])  # fmt: skip
@@ -124,19 +125,19 @@ def state_families(registry: Any, admission: Any, hub: Any, index: Any) -> Itera
         healthy.add_metric([pod.name, pod.info.role], 1.0 if pod.healthy else 0.0)
         for r, st in enumerate(pod.ranks):
             labels = [pod.name, str(r)]
-            inflight.add_metric(labels, st.inflight)
+            inflight.add_metric(labels, core.ledger.inflight((pod.name, r)))
             running.add_metric(labels, st.running)
             waiting.add_metric(labels, st.waiting)
             kv.add_metric(labels, st.kv_usage)
     yield from (healthy, inflight, running, waiting, kv)
     q = GaugeMetricFamily("llmd_router_queue_depth", "Requests waiting in the router's queue.")
-    q.add_metric([], admission.waiting)
+    q.add_metric([], core.queue.waiting)
     yield q
     s = GaugeMetricFamily("llmd_router_queue_sessions", "Sessions with requests waiting in the router's queue.")
-    s.add_metric([], len(admission._sessions))
+    s.add_metric([], core.queue.sessions)
     yield s
     rej = CounterMetricFamily("llmd_router_queue_rejected", "Requests refused with 429 because the queue was full.")
-    rej.add_metric([], admission.rejected)
+    rej.add_metric([], core.queue.rejected)
     yield rej
     st = hub.stats
     for name, doc, value in (

@@ -1,4 +1,5 @@
-"""The KV-transfer hops, exactly as vLLM's NixlConnector expects them from a proxy (vllm-router, llm-d's sidecar).
+"""The KV-transfer hops' wire format, exactly as vLLM's NixlConnector expects it from a proxy (vllm-router, llm-d's
+sidecar). Pure: the router core builds P2P parameters with it, the proxy's upstream (llmd.router.upstream) sends them.
 
 P/D (two hops):
 1. prefill pod: the client's body with `max_tokens: 1`, `stream: false`, no `stream_options` (chat: no
@@ -20,15 +21,7 @@ P2P (a peer holds the prefix; the chosen pod pulls it instead of recomputing), t
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
-
-import aiohttp
-import msgspec
-
-from llmd.net import http_client
 
 P2PMode = Literal["hash", "two-hop"]
 
@@ -42,7 +35,6 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 _PREFILL_DROP = ("stream_options", "min_tokens", "best_of")
-_json_decode = msgspec.json.Decoder().decode
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -76,52 +68,3 @@ def p2p_params(engine_id: str, host: str, port: int, num_tokens: int) -> dict[st
         "remote_port": port,
         "remote_num_tokens": num_tokens,
     }
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    kv_params: dict[str, Any] | None  # None: the hop failed; `error` says why
-    seconds: float
-    error: str | None = None
-    status: int | None = None
-    cached_tokens: int | None = None  # the prefill pod's prefix hit, from its usage
-    unreachable: bool = False  # the connection was refused: the pod is gone, not just failing this request
-
-
-async def prefill_hop(
-    http: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    timeout: aiohttp.ClientTimeout,
-    on_resend: Callable[[BaseException], None] | None = None,
-) -> PrefillResult:
-    """POST the prefill body; any failure (status, timeout, connection, a response without kv_transfer_params) is a
-    result with kv_params None, never an exception: the caller falls back to decode-only."""
-    t0 = time.monotonic()
-    try:
-        async with await http_client.post(
-            http, url, data=body, headers=headers, timeout=timeout, on_resend=on_resend
-        ) as r:
-            raw = await r.read()
-            status = r.status
-    except aiohttp.ClientConnectorError as exc:
-        return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}", unreachable=True)
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}")
-    dt = time.monotonic() - t0
-    if status != 200:
-        return PrefillResult(None, dt, f"prefill pod answered {status}: {raw[:200]!r}", status)
-    try:
-        data = _json_decode(raw)
-    except msgspec.DecodeError as exc:
-        return PrefillResult(None, dt, f"prefill response is not JSON: {exc}", status)
-    kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
-    if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
-        return PrefillResult(None, dt, "prefill response has no kv_transfer_params (no KV connector?)", status)
-    cached = None
-    usage = data.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details"), dict):
-        c = usage["prompt_tokens_details"].get("cached_tokens")
-        cached = c if isinstance(c, int) else None
-    return PrefillResult(kv, dt, None, status, cached)

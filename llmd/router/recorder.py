@@ -35,17 +35,17 @@ class RouterRecorder:
         self,
         path: str | os.PathLike[str],
         registry: Any,
-        admission: Any,
+        core: Any,
         *,
         meta: dict[str, Any] | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self.registry = registry
-        self.admission = admission
+        self.core = core
         self.writer = MetricsWriter(path, "router", meta)
         self._rows: list[dict[str, Any]] = []
         self._bin = _Bin()
-        self._rejected = admission.rejected
+        self._rejected = core.queue.rejected
         self.recorder = PeriodicRecorder(self.writer, self._sample, interval_s)
 
     def start(self) -> RouterRecorder:
@@ -73,18 +73,19 @@ class RouterRecorder:
     def _sample(self, t: float, dt: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         rows, self._rows = self._rows, []
         b, self._bin = self._bin, _Bin()
-        rejected = self.admission.rejected
+        rejected = self.core.queue.rejected
         inflight_total = 0
         series: list[dict[str, Any]] = []
         for pod in self.registry.pods.values():
             for r, st in enumerate(pod.ranks):
-                inflight_total += st.inflight
+                inflight = self.core.ledger.inflight((pod.name, r))
+                inflight_total += inflight
                 name = pod.name if len(pod.ranks) == 1 else f"{pod.name}/dp{r}"
                 series.append(
                     {
                         "t": t,
                         "source": f"router/{name}",
-                        "inflight": st.inflight,
+                        "inflight": inflight,
                         "queue_len": st.waiting,
                         "running": st.running,
                         "kv_usage": st.kv_usage if pod.healthy else math.nan,
@@ -98,7 +99,7 @@ class RouterRecorder:
                 "source": "router",
                 "tokens_in_per_s": b.prompt_tokens / dt,
                 "requests_per_s": b.requests / dt,
-                "queue_len": self.admission.waiting,
+                "queue_len": self.core.queue.waiting,
                 "inflight": inflight_total,
                 "hit_share_gpu": share(b.gpu_hit),
                 "hit_share_cpu": share(b.cpu_hit),

@@ -1,0 +1,423 @@
+"""The router's core: every routing decision and its state, no I/O. The live proxy and the cluster simulator drive it.
+
+It holds the routable pods, the in-flight ledger, the admission queue and the KV index the scheduler reads. A driver
+feeds it requests (`submit`), engine state (`pod_up` / `pod_down`, the pods' scraped gauges, `learn`), KV events (into
+`index`) and outcomes (`complete`, `prefill_done`, `fail`), and carries out what it answers: which requests were
+admitted where (a `Flight` on their `Job`), which hops to make (`hop_plan`), when to ask again (`next_wakeup`), which
+pod to take down, whether to retry or give up. Time comes in as `now` (seconds, any monotonic clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from llmd.router import pd as hops
+from llmd.router.admission import QueueFull, Rate, WaitQueue, retry_after
+from llmd.router.ledger import NO_KV, Flight, KVKey, Ledger, Load
+from llmd.router.pods import Pod
+from llmd.router.scheduling import Endpoint, EndpointState, NoEndpointError, RouteRequest, Scheduler, Snapshot
+from llmd.router.scheduling.filters import kv_fits
+from llmd.router.scheduling.kv_demand import request_kv
+
+if TYPE_CHECKING:
+    from llmd.kv.index import KVIndex, PrefixMatch
+
+# Asked-for re-runs of the queue come this much after the patience runs out, so the request has waited it all.
+_WAKE_MARGIN_S = 0.001
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One request as the core sees it, across its attempts. `flight` is set when an attempt is admitted, `error`
+    when its admission failed while it waited; `handle` is the driver's own (the proxy's future)."""
+
+    req: RouteRequest
+    session: str
+    excluded: set[str] = field(default_factory=set)  # pods that failed it
+    no_kv_transfer: bool = False  # a failed attempt took whatever its hops had set up
+    attempts: int = 0
+    queued_at: float = 0.0
+    flight: Flight | None = None
+    error: Exception | None = None
+    handle: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class HopPlan:
+    """What to do before sending an admitted request to its target.
+
+    prefill: a prefill hop first (P/D; or, `why` "p2p", the prefix holder serving as prefill pod in two-hop P2P).
+    kv_params: the target's kv_transfer_params for a P2P pull by hash from `source`.
+    p2p_outcome: how a P2P choice turned out ("sent", or why none was made: "source_gone", "unknown_engine_id",
+    "no_side_channel"); "" when the decision had no P2P, or it goes through `prefill`.
+    """
+
+    prefill: Pod | None = None
+    prefill_rank: int = 0
+    why: Literal["pd", "p2p", ""] = ""
+    kv_params: dict[str, Any] | None = None
+    source: str = ""
+    p2p_outcome: str = ""
+
+
+NO_HOPS = HopPlan()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What follows a finished hop. admitted: requests the freed slots let in; down: a pod the core took out of
+    routing (a driver with its own health tracking tells it); retry: send the request again (`submit`); error: why
+    it gives up, when neither."""
+
+    admitted: list[Job]
+    down: str | None = None
+    retry: bool = False
+    error: str = ""
+
+
+class _QueriedIndex:
+    """The KV index with one query answered already: the snapshot's KV-fit check and the scheduler's prefix hits ask
+    the same question of it within one decision."""
+
+    __slots__ = ("hashes", "index", "matches")
+
+    def __init__(self, index: KVIndex, hashes: Sequence[int], matches: list[PrefixMatch]) -> None:
+        self.index = index
+        self.hashes = hashes
+        self.matches = matches
+
+    def query(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
+        if block_hashes is self.hashes:
+            return self.matches
+        return self.index.query(block_hashes)
+
+
+class RouterCore:
+    """Routing state and decisions for one router. Not thread-safe; every call runs to completion."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        index: KVIndex,
+        *,
+        max_inflight: int,
+        queue_limit: int,
+        max_attempts: int = 3,
+        p2p_mode: hops.P2PMode = "hash",
+        alive: Callable[[Job], bool] | None = None,
+        now: float = 0.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.index = index
+        self.ledger = Ledger(max_inflight)
+        self.queue: WaitQueue[Job] = WaitQueue(queue_limit)
+        self.max_attempts = max_attempts
+        self.p2p_mode = p2p_mode
+        self._alive = alive  # a waiting job the driver has given up on is dropped, not admitted
+        # Shared prompt blocks count once only where the engine has them cached, which the KV index knows for block
+        # hashes; the approximate policy's text chunks are no such proof.
+        self._cached_from_index = scheduler.policy != "approximate"
+        # Approximate routing's characters per token: the tuning's guess, then learned from the engines' usage.
+        self.chars_per_token = float(scheduler.tuning.chars_per_token)
+        self._pods: dict[str, Pod] = {}  # routable (healthy) pods
+        self._endpoints: list[tuple[Endpoint, Pod, int]] = []
+        self._endpoints_stale = True
+        self._done = Rate(now)
+        self._wake_at: float | None = None
+
+    # ---- engine state ----------------------------------------------------------------------------------------------
+    def pod_up(self, pod: Pod) -> None:
+        """`pod` is healthy: route to it. Its `ranks` carry the engine's gauges, which the driver keeps current.
+        Run `pump` after a change of the pod set: waiting requests may fit now."""
+        self._pods[pod.name] = pod
+        self._endpoints_stale = True
+
+    def pod_down(self, name: str) -> None:
+        """Out of routing, out of the index, forgotten by the scheduler. Requests in flight there still end."""
+        if self._pods.pop(name, None) is not None:
+            self._endpoints_stale = True
+        self.index.drop_pod(name)
+        self.scheduler.forget_pod(name)
+
+    def pod(self, name: str) -> Pod | None:
+        return self._pods.get(name)
+
+    def learn(self, pod: Pod, rank: int, kv: dict[str, Any]) -> None:
+        """A prefill response names the pod's engine id and side channel: what a later P2P pull from it needs."""
+        st = pod.ranks[rank]
+        eid = kv.get("remote_engine_id")
+        if isinstance(eid, str):
+            st.engine_id = eid
+        host, port = kv.get("remote_host"), kv.get("remote_port")
+        if isinstance(host, str) and isinstance(port, int):
+            st.side_channel = (host, port)
+
+    def calibrate(self, text_chars: int, prompt_tokens: int) -> None:
+        """Approximate routing estimates prompt tokens from characters (P/D threshold, KV admission); an engine's
+        usage.prompt_tokens says how many there were: a moving average of the ratio keeps the estimate near the
+        model's tokenizer without tokenizing anything."""
+        if text_chars > 0 and prompt_tokens > 0:
+            cpt = self.chars_per_token + 0.2 * (text_chars / prompt_tokens - self.chars_per_token)
+            self.chars_per_token = min(16.0, max(0.5, cpt))
+
+    # ---- admission ---------------------------------------------------------------------------------------------------
+    def submit(self, job: Job, now: float) -> list[Job]:
+        """A new attempt at `job`: admitted now (`job.flight` set) or queued. Returns the jobs this call decided
+        (admitted, or `error` set), `job` among them if it was. Raises NoEndpointError when no healthy pod can
+        serve it, QueueFull (counted) when it would have to wait and the queue is full."""
+        job.attempts += 1
+        job.queued_at = now
+        job.flight = None
+        job.error = None
+        q = self.queue
+        queued = q.waiting
+        if not queued:  # requests wait while others wait: no overtaking the queue
+            flight = self._choose(job, now)
+            if flight is not None:
+                q.admitted += 1
+                job.flight = flight
+                return [job]
+        if q.full:
+            q.rejected += 1
+            raise QueueFull(self.retry_after(now))
+        q.push(job.session, job)
+        if queued:
+            # Others wait, maybe for endpoints that are full while this one's is not (a request waits for the engine
+            # holding its prefix): give it its turn in the round now rather than at the next release.
+            return self.pump(now)
+        return []
+
+    def pump(self, now: float) -> list[Job]:
+        """Admit waiting requests, one per session in turn, while endpoints have room; returns those decided."""
+        if self._wake_at is not None and now >= self._wake_at:
+            self._wake_at = None
+        out = []
+        for job, got in self.queue.pump(lambda j: self._choose(j, now), self._alive):
+            if isinstance(got, Exception):
+                job.error = got
+            else:
+                job.flight = got
+            out.append(job)
+        return out
+
+    def withdraw(self, job: Job, now: float) -> list[Job]:
+        """The request went away: out of the queue, or, if already admitted, its slots given back."""
+        if job.flight is not None:
+            return self.release(job.flight, now)
+        self.queue.remove(job.session, job)
+        return []
+
+    def next_wakeup(self) -> float | None:
+        """When to `pump` even if nothing frees before: a request waiting for its prefix holder stops waiting then."""
+        return self._wake_at
+
+    def retry_after(self, now: float) -> int:
+        """Seconds until the queue has likely drained enough to take a request: its length over the recent rate."""
+        return retry_after(self.queue.waiting, self._done.per_second(now))
+
+    def stats(self) -> dict[str, int]:
+        q = self.queue
+        return {
+            "waiting": q.waiting,
+            "sessions_waiting": q.sessions,
+            "inflight": self.ledger.total(),
+            "admitted": q.admitted,
+            "rejected": q.rejected,
+        }
+
+    def _ask_at(self, at: float) -> None:
+        if self._wake_at is None or at < self._wake_at:
+            self._wake_at = at
+
+    # ---- the decision ------------------------------------------------------------------------------------------------
+    def _routable(self) -> list[tuple[Endpoint, Pod, int]]:
+        """Every rank of every routable pod as a scheduler Endpoint; rebuilt only when the pod set changes."""
+        if self._endpoints_stale:
+            out = []
+            for pod in self._pods.values():
+                info = pod.info
+                for r in range(info.dp_size):
+                    ep = Endpoint(info.name, r, info.role, info.url, info.dp_size, info.host)  # type: ignore[arg-type]
+                    out.append((ep, pod, r))
+            self._endpoints = out
+            self._endpoints_stale = False
+        return self._endpoints
+
+    def snapshot(
+        self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | None = None, now: float = 0.0
+    ) -> Snapshot:
+        """Every routable endpoint's state; with `kv` (the request's InflightKV key), inflight_kv_tokens counts only
+        the KV in flight there that this request does not share (its prefix held once, however many requests hold
+        it), so kv_fits(state, request's whole need) is exact. `cached`: GPU blocks of the prefix each holder has
+        cached (None: all of it): shared blocks count once only as far as the engine has them cached
+        (InflightKV.shared_tokens)."""
+        hashes, unit, _ = kv
+        states = {}
+        load = self.ledger.load
+        for ep, pod, r in self._routable():
+            if ep.pod in excluded:
+                continue
+            st = pod.ranks[r]
+            ld = load(ep.holder)
+            shared = 0
+            if unit:
+                upto = len(hashes) if cached is None else cached.get(ep.holder, 0)
+                shared = ld.kv.shared_tokens(hashes[:upto], unit) if upto else 0
+            states[ep] = EndpointState(
+                healthy=True,
+                waiting=st.waiting,
+                running=st.running,
+                kv_usage=st.kv_usage,
+                inflight=ld.inflight,
+                inflight_tokens=ld.inflight_tokens,
+                inflight_kv_tokens=ld.kv.tokens - shared,
+                kv_capacity_blocks=st.kv_capacity_blocks,
+                cpu_capacity_blocks=st.cpu_capacity_blocks,
+            )
+        return Snapshot(states, now)
+
+    def _choose(self, job: Job, now: float) -> Flight | None:
+        """The scheduling decision, taken only when its target has room (else None: wait)."""
+        req = job.req
+        hashes = req.block_hashes or req.text_chunk_hashes
+        if req.block_hashes:
+            unit = req.block_size
+        else:  # text chunks: the tokens a chunk of characters holds, as far as the router knows
+            unit = max(1, round(self.scheduler.tuning.chunk_chars / self.chars_per_token))
+        unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit, req.block_size)
+        kv = (hashes, unit, extra)
+        index: Any = self.index
+        cached: dict[tuple[str, int], int] | None = None
+        if unit and hashes:
+            if self._cached_from_index:
+                # One index query for the KV-fit check and the scheduler's prefix hits (same hashes, same moment).
+                matches = self.index.query(hashes)
+                cached = {m.holder: m.blocks_gpu for m in matches}
+                index = _QueriedIndex(self.index, hashes, matches)
+            else:
+                cached = {}
+        snap = self.snapshot(job.excluded, kv, cached, now)
+        if job.excluded and not any(ep.role != "prefill" for ep in snap.states):
+            # Every other pod failed this request too; a pod that is still healthy may serve it plainly (the retry
+            # carries no KV-transfer parameters), which beats answering with its error.
+            snap = self.snapshot(set(), kv, cached, now)
+        room = self.ledger.has_room
+        need, bs = req.kv_tokens, req.block_size
+        if not any(room(ep.holder) and kv_fits(st, need, bs) for ep, st in snap.states.items() if ep.role != "prefill"):
+            if not any(ep.role != "prefill" for ep in snap.states):
+                raise NoEndpointError("no healthy decode endpoint")
+            return None  # every one full (slots or KV): wait without paying for a scoring pass
+        d = self.scheduler.schedule(req, snap, cast("KVIndex", index), now, waited_s=now - job.queued_at)
+        target = self._pods.get(d.target.pod)
+        if target is None:
+            return None
+        if not room(d.target.holder) or not kv_fits(snap.states[d.target], need, bs):
+            if d.wait_s > 0:  # waiting for the prefix holder: ask again when that stops paying, if nothing frees first
+                self._ask_at(now + d.wait_s + _WAKE_MARGIN_S)
+            return None
+        self.scheduler.observe_routed(req, d, now)
+        uncached = max(0, req.num_tokens - d.expected_hit_tokens)
+        ld = self.ledger.take(d.target.holder, uncached, kv)
+        flight = Flight(d, target, d.target.dp_rank, uncached, ld, kv)
+        if d.pd is not None and not job.no_kv_transfer:
+            pre = self._pods.get(d.pd.prefill.pod)
+            if pre is not None:
+                flight.prefill = pre
+                flight.prefill_rank = d.pd.prefill.dp_rank
+                # The prefill pod holds the prompt (and one token) until the decode pod pulls it.
+                flight.prefill_kv = (hashes, unit, extra - req.max_tokens + 1)
+                # Counted, not gated: a prefill hop is short and its pod's queue is what the decider weighed.
+                flight.prefill_load = self.ledger.take(d.pd.prefill.holder, d.pd.uncached_tokens, flight.prefill_kv)
+        return flight
+
+    # ---- hops and their outcomes -------------------------------------------------------------------------------------
+    def hop_plan(self, job: Job) -> HopPlan:
+        """The hops before the serving pod: the P/D prefill hop, or the P2P pull (by hash, or through the holder as a
+        prefill pod in two-hop mode); none on a retry, which drops whatever KV transfer the failed attempt set up."""
+        flight = job.flight
+        assert flight is not None
+        if job.no_kv_transfer:
+            return NO_HOPS
+        d = flight.decision
+        if d.pd is not None and flight.prefill is not None:
+            return HopPlan(flight.prefill, flight.prefill_rank, "pd")
+        src_ep = d.p2p_source
+        if src_ep is None:
+            return NO_HOPS
+        src = self._pods.get(src_ep.pod)
+        if src is None:
+            return HopPlan(p2p_outcome="source_gone")
+        if self.p2p_mode == "two-hop":
+            return HopPlan(src, src_ep.dp_rank, "p2p", source=src.name)
+        eid = src.engine_id_of(src_ep.dp_rank)
+        side = src.side_channel_of(src_ep.dp_rank)
+        if eid is None or side is None:
+            # Without the holder's engine id the pull would be refused; recomputing is the safe choice.
+            return HopPlan(p2p_outcome="unknown_engine_id" if eid is None else "no_side_channel")
+        tokens = d.gpu_hit_tokens + d.cpu_hit_tokens + d.p2p_tokens
+        params = hops.p2p_params(eid, side[0], side[1], tokens)
+        return HopPlan(kv_params=params, source=src.name, p2p_outcome="sent")
+
+    def prefill_done(
+        self, flight: Flight, plan: HopPlan, kv_params: dict[str, Any] | None, unreachable: bool, now: float
+    ) -> Outcome:
+        """The prefill hop ended: its slot is free; with `kv_params` the serving pod pulls the KV, without them (the
+        hop failed) it computes the prompt itself, and a prefill pod that refused the connection leaves routing."""
+        out = Outcome(self.release_prefill(flight, now))
+        pre = plan.prefill
+        assert pre is not None
+        if kv_params is not None:
+            self.learn(pre, plan.prefill_rank, kv_params)
+        elif unreachable:
+            self.pod_down(pre.name)
+            out.down = pre.name
+        return out
+
+    def complete(self, flight: Flight, now: float) -> list[Job]:
+        """The request ended (answered, or its stream broke after bytes reached the client): give back its slots."""
+        return self.release(flight, now)
+
+    def fail(self, job: Job, reason: str, pod_down: bool, now: float) -> Outcome:
+        """An attempt failed before anything reached the client: give back its slots, take its pod out if it is gone
+        (`pod_down`: the connection was refused or dropped), keep the request off that pod and off KV transfers, and
+        retry unless it has had `max_attempts`."""
+        flight = job.flight
+        assert flight is not None
+        out = Outcome(self.release(flight, now))
+        pod = flight.target.name
+        if pod_down:
+            self.pod_down(pod)
+            out.down = pod
+        job.excluded.add(pod)
+        job.no_kv_transfer = True
+        if job.attempts >= self.max_attempts:
+            out.error = f"engines failed {job.attempts} times: {reason}"
+        else:
+            out.retry = True
+        return out
+
+    def release(self, flight: Flight, now: float) -> list[Job]:
+        if flight.released:
+            return []
+        flight.released = True
+        out = self.release_prefill(flight, now)
+        out += self._give(flight.load, flight.uncached, flight.kv, now)
+        return out
+
+    def release_prefill(self, flight: Flight, now: float) -> list[Job]:
+        ld = flight.prefill_load
+        if ld is None:
+            return []
+        flight.prefill = flight.prefill_load = None
+        assert flight.decision.pd is not None
+        return self._give(ld, flight.decision.pd.uncached_tokens, flight.prefill_kv, now)
+
+    def _give(self, ld: Load, tokens: int, kv: KVKey, now: float) -> list[Job]:
+        self.ledger.give(ld, tokens, kv)
+        self._done.tick(now)
+        return self.pump(now) if self.queue.waiting else []
+
+
+__all__ = ["NO_HOPS", "Flight", "HopPlan", "Job", "NoEndpointError", "Outcome", "QueueFull", "RouterCore"]

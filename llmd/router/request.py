@@ -1,0 +1,178 @@
+"""One client request at the router's edge: its OpenAI-style errors, its body's checks, and what it carries along.
+
+The body is parsed once (msgspec); a prompt no engine could take is answered 400 here, before any routing.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from llmd.metrics.schema import pd_path_of
+from llmd.router.core import Job
+from llmd.router.scheduling import Decision
+
+Kind = Literal["completion", "chat"]
+SESSION_HEADER = "X-Session-Id"
+json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+
+class APIError(Exception):
+    """An OpenAI-style error the router answers itself."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None, code: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+        self.code = status if code is None else code
+        self.headers: dict[str, str] = {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            body=json_encode(self.body()), status=self.status, content_type="application/json", headers=self.headers
+        )
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "BadRequestError", param)
+
+
+@dataclass(slots=True)
+class Prompt:
+    """What routing needs from a request body."""
+
+    block_hashes: Sequence[int] = ()
+    num_tokens: int = 0
+    text_hashes: Sequence[int] = ()
+    fingerprint: str | None = None
+    chars: int = 0  # prompt characters when num_tokens is an estimate from them (approximate)
+
+
+@dataclass(slots=True)
+class RequestCtx:
+    """A request on its way through the proxy: its body, its core `Job`, and what the recorder writes."""
+
+    kind: Kind
+    route: str  # the request path: the engine's path too
+    raw: bytes
+    body: dict[str, Any]
+    request_id: str
+    headers: dict[str, str]
+    job: Job
+    queue_s: float = 0.0
+    # What the recorder writes: the last attempt's decision and response headers, first byte, a mid-stream error.
+    decision: Decision | None = None
+    out: dict[str, str] | None = None
+    first_byte: float = 0.0
+    error: str = ""
+    text_chars: int = 0  # approximate: the prompt's characters, until the engine's prompt_tokens calibrate with them
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _json_decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if not isinstance(body.get("stream", False), bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    return body
+
+
+def prompt_source(kind: Kind, body: dict[str, Any]) -> Any:
+    """The messages or the prompt routing reads (a batch: its first prompt); 400 for a shape no engine could take."""
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("'messages' must be a non-empty list of message objects", "messages")
+        return messages
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+
+
+def max_tokens(body: dict[str, Any]) -> int:
+    """The output the request asks for at most (OpenAI's max_completion_tokens or max_tokens; 0 when not given)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
+
+
+def text_of(source: Any) -> str:
+    """The text the approximate scorer chunks: the prompt, or the messages' roles and contents in order."""
+    if isinstance(source, str):
+        return source
+    if source and isinstance(source[0], int):
+        return " ".join(map(str, source))
+    parts = []
+    for m in source:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"{m.get('role', '')}\n{content or ''}\n")
+    return "".join(parts)
+
+
+def check_key(request: web.Request, key: str) -> None:
+    """401 unless the request carries `Authorization: Bearer <key>`."""
+    got = request.headers.get("Authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        err = APIError(
+            401,
+            "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",
+            "AuthenticationError",
+            code="invalid_api_key",
+        )
+        err.headers["WWW-Authenticate"] = "Bearer"
+        raise err
+
+
+def recorder_row(
+    ctx: RequestCtx | None, session: str | None, send_time: float, t0: float, now: float, status: int, error: str
+) -> tuple[dict[str, Any], int, int]:
+    """The router recorder's row for a finished request (any status), and the chosen pod's predicted GPU and CPU hit
+    tokens; `session`: the request's session header."""
+    row: dict[str, Any] = {"send_time": send_time, "e2e_s": now - t0, "status": status}
+    gpu = cpu = 0
+    if ctx is not None:
+        user = ctx.body.get("user")
+        row["request_id"] = ctx.request_id
+        row["session"] = session or (user if isinstance(user, str) else "")
+        row["router_queue_s"] = ctx.queue_s
+        if ctx.job.req.num_tokens:
+            row["input_tokens"] = ctx.job.req.num_tokens
+        if ctx.first_byte:
+            row["ttft_s"] = ctx.first_byte - t0
+        error = error or ctx.error
+        d = ctx.decision
+        if d is not None and ctx.out is not None:
+            h = ctx.out
+            row["pod"] = h.get("x-llmd-pod", "")
+            row["prefill_pod"] = h.get("x-llmd-prefill-pod", "")
+            row["pd_path"] = pd_path_of(h)
+            row["expected_hit_tokens"] = d.expected_hit_tokens
+            row["route_reason"] = d.reason
+            gpu, cpu = d.gpu_hit_tokens, d.cpu_hit_tokens
+    if error:
+        row["error"] = error
+    return row, gpu, cpu

@@ -1,0 +1,237 @@
+"""The proxy's side of the engines: sending a request to its serving pod and the response back to the client, the
+prefill hop, and the failures that leave an attempt retryable (nothing has reached the client yet)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from llmd.net import http_client
+from llmd.router.metrics import RouterMetrics
+from llmd.router.pods import Pod
+from llmd.router.request import RequestCtx, json_encode
+
+log = logging.getLogger(__name__)
+_json_decode = msgspec.json.Decoder().decode
+# Hop-by-hop and framing headers are the server's to set, not copied from the engine.
+_SKIP_RESPONSE_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server", "content-encoding"}
+)
+_SSE_ERROR = b'data: {"error"'
+_PROMPT_TOKENS = b'"prompt_tokens":'
+
+
+class Retry(Exception):
+    """This attempt failed before anything reached the client; another pod may serve it."""
+
+    def __init__(self, reason: str, pod: str, *, pod_down: bool, last: web.Response | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.pod = pod
+        self.pod_down = pod_down
+        self.last = last  # the engine's own error response, answered if no attempt is left
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    kv_params: dict[str, Any] | None  # None: the hop failed; `error` says why
+    seconds: float
+    error: str | None = None
+    status: int | None = None
+    cached_tokens: int | None = None  # the prefill pod's prefix hit, from its usage
+    unreachable: bool = False  # the connection was refused: the pod is gone, not just failing this request
+
+
+async def prefill_hop(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout: aiohttp.ClientTimeout,
+    on_resend: Callable[[BaseException], None] | None = None,
+) -> PrefillResult:
+    """POST the prefill body; any failure (status, timeout, connection, a response without kv_transfer_params) is a
+    result with kv_params None, never an exception: the caller falls back to decode-only."""
+    t0 = time.monotonic()
+    try:
+        async with await http_client.post(
+            http, url, data=body, headers=headers, timeout=timeout, on_resend=on_resend
+        ) as r:
+            raw = await r.read()
+            status = r.status
+    except aiohttp.ClientConnectorError as exc:
+        return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}", unreachable=True)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}")
+    dt = time.monotonic() - t0
+    if status != 200:
+        return PrefillResult(None, dt, f"prefill pod answered {status}: {raw[:200]!r}", status)
+    try:
+        data = _json_decode(raw)
+    except msgspec.DecodeError as exc:
+        return PrefillResult(None, dt, f"prefill response is not JSON: {exc}", status)
+    kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
+        return PrefillResult(None, dt, "prefill response has no kv_transfer_params (no KV connector?)", status)
+    cached = None
+    usage = data.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details"), dict):
+        c = usage["prompt_tokens_details"].get("cached_tokens")
+        cached = c if isinstance(c, int) else None
+    return PrefillResult(kv, dt, None, status, cached)
+
+
+class Upstream:
+    """HTTP to the engines for one router: `http` is set while the router runs. `calibrate(chars, prompt_tokens)`
+    hears the engine's prompt_tokens for requests whose length routing estimated from characters."""
+
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        calibrate: Callable[[int, int], None],
+        prefill_timeout_s: float,
+        connect_timeout_s: float,
+    ) -> None:
+        self.metrics = metrics
+        self.calibrate = calibrate
+        self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
+        self.http: aiohttp.ClientSession | None = None
+
+    async def prefill(self, url: str, body: bytes, headers: dict[str, str]) -> PrefillResult:
+        assert self.http is not None
+        return await prefill_hop(self.http, url, body, headers, self.prefill_timeout, on_resend=self.resent)
+
+    async def forward(
+        self,
+        request: web.Request,
+        ctx: RequestCtx,
+        pod: Pod,
+        payload: bytes,
+        headers: dict[str, str],
+        out_headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Send the request to the serving pod and its response to the client, streaming chunk by chunk. Raises
+        Retry while nothing has reached the client; after that a failure ends the stream with an error event."""
+        assert self.http is not None
+        t0 = time.monotonic()
+        try:
+            up = await http_client.post(
+                self.http,
+                pod.info.url + ctx.route,
+                data=payload,
+                headers=headers,
+                on_resend=self.resent,
+            )
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+            raise Retry("connect", pod.name, pod_down=True) from exc
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise Retry("disconnect", pod.name, pod_down=isinstance(exc, aiohttp.ServerDisconnectedError)) from exc
+        done = False
+        try:
+            status = up.status
+            if status != 200 or not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                try:
+                    data = await up.read()
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    raise Retry("body", pod.name, pod_down=False) from exc
+                done = True
+                dt = time.monotonic() - t0
+                self.metrics.first_byte_time.observe(dt)
+                out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
+                if ctx.text_chars and status == 200:
+                    self._calibrate(ctx, data)
+                resp = web.Response(body=data, status=status, headers=_response_headers(up, out_headers))
+                if status >= 500:
+                    raise Retry(f"status_{status}", pod.name, pod_down=False, last=resp)
+                return resp
+            # Streaming: hold the client's headers until the engine's first bytes, so a pod failing before then is
+            # still retried elsewhere; after that, pass every chunk on as it arrives.
+            try:
+                first = await up.content.readany()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise Retry("stream_start", pod.name, pod_down=False) from exc
+            if not first:
+                raise Retry("empty_stream", pod.name, pod_down=False)
+            if first.startswith(_SSE_ERROR):
+                # The engine failed the request before its first token (a failed KV pull): nothing reached the
+                # client, so another attempt (without KV transfer) can still serve it.
+                raise Retry("stream_error", pod.name, pod_down=False)
+            ctx.first_byte = time.monotonic()
+            dt = ctx.first_byte - t0
+            self.metrics.first_byte_time.observe(dt)
+            out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
+            resp = web.StreamResponse(status=200, headers=_response_headers(up, out_headers))
+            try:
+                await resp.prepare(request)
+                await resp.write(first)
+                if ctx.text_chars:
+                    self._calibrate(ctx, first)
+                try:
+                    while True:
+                        chunk = await up.content.readany()
+                        if not chunk:
+                            break
+                        await resp.write(chunk)
+                        if ctx.text_chars:
+                            self._calibrate(ctx, chunk)
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
+                    log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
+                    self.metrics.error(ctx.route, "stream_broken")
+                    ctx.error = f"engine {pod.name} failed mid-stream: {exc}"
+                    err = {"error": {"message": f"engine {pod.name} failed mid-stream", "type": "InternalServerError",
+                                     "param": None, "code": 500}}  # fmt: skip
+                    await resp.write(b"data: " + json_encode(err) + b"\n\ndata: [DONE]\n\n")
+                else:
+                    done = True
+                await resp.write_eof()
+            except ConnectionResetError:
+                # The client hung up (a client may close as soon as it has read `data: [DONE]`, before the chunked
+                # stream's last frame): nothing is left to send it. Unless the engine had finished, closing the
+                # upstream connection below aborts the request there and frees its KV.
+                if not done:
+                    ctx.error = ctx.error or "client closed the connection before the stream ended"
+                log.debug("request %s: client closed the stream", ctx.request_id)
+            return resp
+        finally:
+            # A finished response gives its connection back to the pool; anything else closes it, which is also
+            # how the engine learns that the request was abandoned (it aborts it and frees its KV).
+            if done:
+                up.release()
+            else:
+                up.close()
+
+    def resent(self, exc: BaseException) -> None:
+        self.metrics.retries.labels("resent").inc()
+        log.info("an engine closed a pooled connection under a request (%s); sent again", exc)
+
+    def _calibrate(self, ctx: RequestCtx, data: bytes) -> None:
+        """Approximate routing estimates prompt tokens from characters (P/D threshold, KV admission); the engine's
+        usage.prompt_tokens in the response says how many there were: a moving average of the ratio keeps the
+        estimate near the model's tokenizer without tokenizing anything."""
+        i = data.rfind(_PROMPT_TOKENS)
+        if i < 0:
+            return
+        j = i + len(_PROMPT_TOKENS)
+        while j < len(data) and data[j] == 0x20:
+            j += 1
+        k = j
+        while k < len(data) and 0x30 <= data[k] <= 0x39:
+            k += 1
+        if k == j:
+            return
+        self.calibrate(ctx.text_chars, int(data[j:k]))
+        ctx.text_chars = 0  # once per request
+
+
+def _response_headers(up: aiohttp.ClientResponse, extra: dict[str, str]) -> dict[str, str]:
+    h = {k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
+    h.update(extra)
+    return h
