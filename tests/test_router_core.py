@@ -16,7 +16,7 @@ from llmd.discovery import PodInfo
 from llmd.kv.index import KVIndex
 from llmd.perf import MODELS, get_gpu
 from llmd.perf.latency import LatencyModel
-from llmd.router.core import Job, QueueFull, RouterCore
+from llmd.router.core import NO_HOPS, Job, QueueFull, RouterCore
 from llmd.router.ledger import Flight
 from llmd.router.pods import Pod
 from llmd.router.scheduling import NoEndpointError, RouteRequest, Scheduler
@@ -239,3 +239,143 @@ def _placed(core: RouterCore, session: int, blocks: int, now: float = 0.0) -> Po
     core.complete(f, now)
     core.index.store(f.decision.target.holder, list(j.req.block_hashes))
     return f.target
+
+
+def test_a_request_waits_for_its_prefix_holder_until_the_patience_runs_out() -> None:
+    """Delay scheduling: the holder of a 4,000-token prefix is full and another pod is free; the request waits for
+    the holder as long as the prefill it would save elsewhere (0.2 s at ConstantRateModel's 20K tokens/s), and the
+    core asks to be pumped then."""
+    for holder_frees in (True, False):
+        core = make_core([pod("e0"), pod("e1")], max_inflight=1)
+        holder = _placed(core, 1, 250)
+        other = "e1" if holder.name == "e0" else "e0"
+        blocker = admitted(core, job("z", excluded={other}), 0.0)
+        turn = job(1, 260)
+        assert core.submit(turn, 0.0) == [] and turn.flight is None
+        wake = core.next_wakeup()
+        assert wake is not None and wake == pytest.approx(0.2 + 0.001, abs=0.01)
+        if holder_frees:
+            assert core.complete(blocker, 0.1) == [turn]  # the holder freed first: the request goes there
+            assert turn.flight is not None and turn.flight.target is holder
+            assert turn.flight.decision.reason == "prefix-hit"
+        else:
+            assert core.pump(wake - 0.01) == [] and core.next_wakeup() is not None  # not yet
+            assert core.pump(wake) == [turn] and core.next_wakeup() is None  # patience ran out: recompute elsewhere
+            assert turn.flight is not None and turn.flight.target.name == other
+
+
+def test_kv_admission_holds_a_request_until_kv_frees_and_counts_a_cached_shared_prefix_once() -> None:
+    """100 blocks of 16 tokens (99 usable): two forks of a cached 60-block context fit together, since the engine
+    holds the shared blocks once; a third session's request waits although slots are free."""
+    e0 = pod("e0")
+    e0.ranks[0].kv_capacity_blocks = 100
+    core = make_core([e0], max_inflight=4)
+    first = job(1, 60, max_tokens=64)
+    core.complete(admitted(core, first, 0.0), 1.0)
+    core.index.store(("e0", 0), list(first.req.block_hashes))
+    forks = [job(1, 61, max_tokens=64, rid="f1"), job(1, 62, max_tokens=64, rid="f2")]
+    flights = [admitted(core, f, 2.0) for f in forks]  # 1,040 + 1,056 tokens, 960 of them shared: they fit
+    other = job(2, 40, max_tokens=64)  # 704 more tokens do not
+    assert core.submit(other, 2.0) == [] and core.ledger.inflight(("e0", 0)) == 2
+    assert core.complete(flights[0], 3.0) == []  # 1,056 + 704 still exceed 1,584
+    assert core.complete(flights[1], 4.0) == [other]
+    assert core.ledger.load(("e0", 0)).kv.tokens == 40 * 16 + 64
+
+
+def test_a_failed_hop_is_retried_on_another_pod_without_kv_transfer_then_given_up() -> None:
+    pods = [pod(f"e{i}") for i in range(3)]
+    core = make_core(pods)
+    j = job("a")
+    first = admitted(core, j, 0.0)
+    bad = first.target.name
+    core.index.store((bad, 0), [1, 2, 3])
+    out = core.fail(j, "connect", pod_down=True, now=0.1)  # the connection was refused: the pod is gone
+    assert out.retry and out.down == bad and out.admitted == [] and not out.error
+    assert core.pod(bad) is None and all(h[0] != bad for h in core.index.holders())
+    assert first.released and core.stats()["inflight"] == 0
+    assert j.excluded == {bad} and j.no_kv_transfer
+    second = admitted(core, j, 0.2)
+    assert second.target.name != bad and core.hop_plan(j) is NO_HOPS
+    out = core.fail(j, "status_500", pod_down=False, now=0.3)  # an error status: the pod stays
+    assert out.retry and out.down is None and core.pod(second.target.name) is not None
+    third = admitted(core, j, 0.4)
+    assert third.target.name not in (bad, second.target.name) and j.attempts == 3
+    out = core.fail(j, "body", pod_down=False, now=0.5)
+    assert not out.retry and out.error == "engines failed 3 times: body"
+
+
+def test_a_retry_that_excludes_every_pod_falls_back_to_a_healthy_one() -> None:
+    core = make_core([pod("e0"), pod("e1")])
+    j = job("a")
+    for _ in range(2):
+        admitted(core, j, 0.0)
+        assert core.fail(j, "stream_error", pod_down=False, now=0.0).retry
+    assert j.excluded == {"e0", "e1"}
+    assert admitted(core, j, 0.0).target.name in ("e0", "e1")  # served plainly beats answering with an error
+
+
+def test_pd_plan_holds_both_slots_until_each_hop_ends_and_learns_the_prefill_engine() -> None:
+    pre, dec = pod("p0", "prefill"), pod("d0", "decode")
+    core = make_core([pre, dec], pd_threshold=16, p2p=False)
+    j = job(1, 40)
+    f = admitted(core, j, 0.0)
+    assert f.decision.pd is not None and f.prefill is pre and f.target is dec
+    assert core.ledger.inflight(("p0", 0)) == core.ledger.inflight(("d0", 0)) == 1
+    plan = core.hop_plan(j)
+    assert plan.prefill is pre and plan.why == "pd"
+    kv = {"do_remote_prefill": True, "remote_engine_id": "E", "remote_host": "h", "remote_port": 7}
+    out = core.prefill_done(f, plan, kv, unreachable=False, now=0.5)
+    assert out.down is None and core.ledger.inflight(("p0", 0)) == 0 and core.ledger.inflight(("d0", 0)) == 1
+    assert pre.ranks[0].engine_id == "E" and pre.ranks[0].side_channel == ("h", 7)
+    core.complete(f, 1.0)
+    assert core.stats()["inflight"] == 0
+    # A prefill pod that refuses the connection leaves routing; the request goes on decode-only.
+    j2 = job(2, 40)
+    f2 = admitted(core, j2, 2.0)
+    out = core.prefill_done(f2, core.hop_plan(j2), None, unreachable=True, now=2.1)
+    assert out.down == "p0" and core.pod("p0") is None
+    assert admitted(core, job(3, 40), 2.2).decision.pd is None
+
+
+@pytest.mark.parametrize("mode", ["hash", "two-hop"])
+def test_p2p_plan_pulls_from_an_overloaded_holder(mode: str) -> None:
+    core = make_core([pod("e0"), pod("e1")], max_inflight=2, pd_threshold=16)
+    core.p2p_mode = mode  # type: ignore[assignment]
+    holder = _placed(core, 1, 40)
+    other = "e1" if holder.name == "e0" else "e0"
+    for i in range(2):  # the holder's own session fills it
+        assert admitted(core, job(1, 41, rid=f"fill{i}"), 0.1).target is holder
+    j = job(1, 42)
+    f = admitted(core, j, 0.2)
+    assert f.target.name == other and f.decision.reason == "p2p" and f.decision.p2p_source is not None
+    plan = core.hop_plan(j)
+    if mode == "hash":
+        assert plan.p2p_outcome == "sent" and plan.source == holder.name and plan.prefill is None
+        assert plan.kv_params == {
+            "do_remote_prefill": True,
+            "remote_engine_id": f"engine-{holder.name}",
+            "remote_host": f"{holder.name}-host",
+            "remote_port": 5600,
+            "remote_num_tokens": f.decision.expected_hit_tokens,
+        }
+    else:
+        assert plan.prefill is holder and plan.why == "p2p" and plan.kv_params is None
+    core.pod_down(holder.name)
+    assert core.hop_plan(j).p2p_outcome == "source_gone"
+
+
+def test_one_kv_index_query_per_decision() -> None:
+    """The snapshot's KV-fit check and the scheduler's prefix hits share one query of the index."""
+
+    class Counting(KVIndex):
+        queries = 0
+
+        def query(self, block_hashes: Sequence[int]) -> Any:
+            Counting.queries += 1
+            return super().query(block_hashes)
+
+    core = make_core([pod("e0"), pod("e1")], index=Counting())
+    _placed(core, 1, 40)
+    Counting.queries = 0
+    admitted(core, job(1, 41), 1.0)
+    assert Counting.queries == 1
