@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,7 @@ class FakeCluster:
     tpot_s: float = 0.002
     now: float = 0.0
     _events: list[tuple[float, int, Job]] = field(default_factory=list)
-    _seq: Iterable[int] = field(default_factory=itertools.count)
+    _seq: Iterator[int] = field(default_factory=itertools.count)
     finished: list[tuple[float, Job, Flight]] = field(default_factory=list)
     peak: dict[str, int] = field(default_factory=dict)
     waited: list[float] = field(default_factory=list)
@@ -102,9 +102,9 @@ class FakeCluster:
             self.waited.append(self.now - j.queued_at)
             cached = f.decision.expected_hit_tokens
             t = self.latency.prefill_time(f.uncached, cached) + j.req.max_tokens * self.tpot_s
-            heapq.heappush(self._events, (self.now + t, next(self._seq), j))  # type: ignore[call-overload]
+            heapq.heappush(self._events, (self.now + t, next(self._seq), j))
 
-    def run(self, until: float = 1e9, on_finish: Any = None) -> None:
+    def run(self, until: float = 1e9, on_finish: Callable[[Job], None] | None = None) -> None:
         while self._events or self.core.next_wakeup() is not None:
             wake = self.core.next_wakeup()
             t_done = self._events[0][0] if self._events else None
