@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from netutil import run
-from test_router_proxy import Servers, engine, pod_of, rconfig
+from routerutil import Servers, engine, pod_of, rconfig
 
 from llmd.cli import main
 from llmd.engines.sim.core import EngineStats

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from netutil import run
-from test_router_proxy import Servers, engine, pod_of, rconfig
+from routerutil import Servers, engine, pod_of, rconfig
 
 from llmd.router.proxy import Router
 
