@@ -33,17 +33,11 @@ from llmd.router.scheduling.pd import (
     estimate_disagg_s,
     estimate_local_s,
 )
+from llmd.router.scheduling.load import KVUtilScorer, LoadAwareScorer, QueueScorer, TokenLoadScorer
+from llmd.router.scheduling.no_hit_lru import NoHitLRUScorer
 from llmd.router.scheduling.picker import pick_max, weighted_totals
-from llmd.router.scheduling.scorers import (
-    ApproximatePrefixScorer,
-    KVUtilScorer,
-    LoadAwareScorer,
-    NoHitLRUScorer,
-    PrecisePrefixScorer,
-    QueueScorer,
-    ScoringContext,
-    TokenLoadScorer,
-)
+from llmd.router.scheduling.plugins import ScoringContext
+from llmd.router.scheduling.prefix import ApproximatePrefixScorer, PrecisePrefixScorer
 from llmd.router.scheduling.speculative import SpeculativeIndex
 from llmd.router.scheduling.state import Candidate
 from llmd.spec.model import RouterSpec
