@@ -570,6 +570,23 @@ def test_queue_full_answers_429_with_retry_after(model_dir: Path) -> None:
     run(body)
 
 
+def test_a_scorer_reading_text_makes_the_router_keep_the_prompt_text() -> None:
+    # Whether the router hashes prompt text follows the scorers' declared inputs, not a list of scorer names.
+    from llmd.router.scheduling import ScorerPlugin, register_scorer, unregister_scorer
+    from llmd.router.scheduling.load import QueueScorer
+
+    def needs_text(spec: RouterSpec) -> bool:
+        return Router(RouterConfig.from_router_spec(spec, port=0), [])._needs_text
+
+    register_scorer(ScorerPlugin("text-reader", lambda setup: QueueScorer(), frozenset({"text"})))
+    try:
+        assert not needs_text(RouterSpec())
+        assert needs_text(RouterSpec(weights={"prefix": 1.0, "text-reader": 1.0}))
+        assert needs_text(RouterSpec(policy="approximate"))
+    finally:
+        unregister_scorer("text-reader")
+
+
 def test_fair_queueing_round_robins_sessions() -> None:
     async def body() -> None:
         adm = Admission(max_inflight=1, queue_limit=100)

@@ -455,3 +455,21 @@ def test_spec_literals_match_the_registries() -> None:
 
     assert set(get_args(EngineKind)) == set(ENGINE_KINDS)
     assert set(get_args(WorkloadProfile)) == {*PROFILE_BUILDERS, REPLAY_PROFILE}
+
+
+def test_scorer_weights_follow_the_plugin_registry(tmp_path: Path) -> None:
+    # RouterSpec.weights keys are validated against the router's scorer registry (no Literal to keep in step): every
+    # registered scorer is a valid key, the defaults name registered scorers, and a registered scorer is valid at once.
+    from llmd.router.scheduling import ScorerPlugin, register_scorer, scorer_names, unregister_scorer
+    from llmd.router.scheduling.load import QueueScorer
+    from llmd.spec.model import RouterSpec
+
+    assert set(RouterSpec().weights) <= set(scorer_names())
+    assert set(RouterSpec(weights=dict.fromkeys(scorer_names(), 1.0)).weights) == set(scorer_names())
+    register_scorer(ScorerPlugin("my-scorer", lambda setup: QueueScorer()))
+    try:
+        assert load_spec(write(tmp_path, "router:\n  weights: {my-scorer: 1.0}\n")).router.weights == {"my-scorer": 1.0}
+    finally:
+        unregister_scorer("my-scorer")
+    message = issues_of(tmp_path, "router:\n  weights: {my-scorer: 1.0}\n")["router.weights.my-scorer"]
+    assert message.startswith('unknown scorer "my-scorer"') and ", ".join(scorer_names()) in message

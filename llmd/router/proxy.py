@@ -273,7 +273,8 @@ class Router:
         if encoder is None and c.tokenizer is not None and self._needs_tokens:
             encoder = _load_encoder(c)
         self.encoder = encoder
-        self._needs_text = c.policy == "approximate" or "approximate-prefix" in dict(getattr(settings, "weights", {}))
+        # The scheduler knows from its plugins' declarations whether any of them reads the prompt's text chunks.
+        self._needs_text = "text" in self.scheduler.inputs
         self.http: aiohttp.ClientSession | None = None
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
