@@ -45,7 +45,30 @@ def routed_holders(decision: Decision) -> list[Holder]:
     return [decision.target.holder, decision.pd.prefill.holder]
 
 
-class PrecisePrefixScorer:
+class _PrefixScorer:
+    """What the two prefix scorers share: tier weights, hits memoised per request (the pipeline and the scorer column
+    ask for them; the source is queried once), and the score from the hits."""
+
+    name: str
+
+    def __init__(self, gpu_w: float, cpu_w: float) -> None:
+        self.gpu_w = gpu_w
+        self.cpu_w = cpu_w
+
+    def hits(self, ctx: ScoringContext) -> PrefixHits:
+        memo: PrefixHits | None = ctx.memo.get(self.name)
+        if memo is None:
+            memo = ctx.memo[self.name] = self._hits(ctx)
+        return memo
+
+    def _hits(self, ctx: ScoringContext) -> PrefixHits:
+        raise NotImplementedError
+
+    def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
+        return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+
+
+class PrecisePrefixScorer(_PrefixScorer):
     """llm-d's precise prefix scorer: the KV index's longest consecutive cached prefix per holder, GPU blocks
     weighted `gpu_w` and CPU-only blocks `cpu_w`, over the request's block count.
 
@@ -56,14 +79,10 @@ class PrecisePrefixScorer:
     name = "prefix"
 
     def __init__(self, speculative: SpeculativeIndex | None = None, gpu_w: float = 1.0, cpu_w: float = 0.8) -> None:
+        super().__init__(gpu_w, cpu_w)
         self.speculative = speculative
-        self.gpu_w = gpu_w
-        self.cpu_w = cpu_w
 
-    def hits(self, ctx: ScoringContext) -> PrefixHits:
-        memo = ctx.memo.get(self.name)
-        if memo is not None:
-            return memo  # type: ignore[no-any-return]
+    def _hits(self, ctx: ScoringContext) -> PrefixHits:
         req = ctx.req
         hashes = req.block_hashes
         n = len(hashes)
@@ -88,12 +107,7 @@ class PrecisePrefixScorer:
                 by[m.holder] = PrefixHit(gpu, held - gpu, gpu_t, min(cap, held * bs) - gpu_t)
             for holder, s in spec.items():
                 by[holder] = PrefixHit(s, 0, min(cap, s * bs), 0)
-        out = PrefixHits(by, n)
-        ctx.memo[self.name] = out
-        return out
-
-    def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
-        return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+        return PrefixHits(by, n)
 
     def observe_routed(
         self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
@@ -110,21 +124,17 @@ class PrecisePrefixScorer:
             self.speculative.forget_pod(pod)
 
 
-class ApproximatePrefixScorer:
+class ApproximatePrefixScorer(_PrefixScorer):
     """llm-d's approximate prefix scorer, CPU tier included: the longest run of the request's text chunks the router
     remembers sending to each endpoint, over the request's chunk count; chunks only in the CPU part weigh `cpu_w`."""
 
     name = "approximate-prefix"
 
     def __init__(self, cache: ApproxPrefixCache, gpu_w: float = 1.0, cpu_w: float = 0.8) -> None:
+        super().__init__(gpu_w, cpu_w)
         self.cache = cache
-        self.gpu_w = gpu_w
-        self.cpu_w = cpu_w
 
-    def hits(self, ctx: ScoringContext) -> PrefixHits:
-        memo = ctx.memo.get(self.name)
-        if memo is not None:
-            return memo  # type: ignore[no-any-return]
+    def _hits(self, ctx: ScoringContext) -> PrefixHits:
         req = ctx.req
         chain = req.text_chunk_hashes
         per_chunk = self.cache.tokens_per_chunk()
@@ -134,12 +144,7 @@ class ApproximatePrefixScorer:
             if held:
                 gpu_t = min(cap, int(gpu * per_chunk))
                 by[holder] = PrefixHit(gpu, held - gpu, gpu_t, min(cap, int(held * per_chunk)) - gpu_t)
-        out = PrefixHits(by, len(chain))
-        ctx.memo[self.name] = out
-        return out
-
-    def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
-        return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+        return PrefixHits(by, len(chain))
 
     def observe_routed(
         self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
