@@ -173,9 +173,7 @@ class Scheduler:
         in_use = [scorer for _, _, scorer in self.columns]
         if self._primary is self.precise:
             in_use.append(self.precise)
-        self._learners: tuple[Learner, ...] = tuple(
-            {id(s): s for s in in_use if isinstance(s, Learner)}.values()  # type: ignore[misc]
-        )
+        self._learners: tuple[Learner, ...] = tuple({id(s): s for s in in_use if isinstance(s, Learner)}.values())
         run = ["routable", *(("has-capacity", "kv-room") if t.capacity_filter else ())]
         if self.affinity > 0 and self.policy in _SCORING:
             run.append("prefix-affinity")
