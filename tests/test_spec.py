@@ -263,6 +263,13 @@ def test_vllm_on_cpu_needs_blocks_of_32(tmp_path: Path) -> None:
         assert spec.model.block_size == block
 
 
+def test_kv_too_small_for_one_request(tmp_path: Path) -> None:
+    text = "model:\n  block_size: 16\n  max_model_len: 4096\nkv:\n  gpu_blocks: 256\n"
+    msg = issues_of(tmp_path, text)["kv.gpu_blocks"]
+    assert "cannot hold one request of model.max_model_len 4096 (needs 257" in msg and "raise kv.gpu_blocks" in msg
+    load_spec(write(tmp_path, text.replace("256", "257")))
+
+
 def test_bad_block_size(tmp_path: Path) -> None:
     issues = issues_of(tmp_path, "model: {block_size: 12}\n")
     assert issues["model.block_size"].startswith("12 is not a valid block size; use 1 or a multiple of 8")
