@@ -3,8 +3,13 @@
 The regime precise routing is for: a fleet of 8 simulated engines (Llama-3.1-8B latency profile on H100, KV block 64,
 `llmd engine sim --all` in one process) whose KV caches are smaller than the agents' working set, long agentic
 sessions from llmd's workload generator (contexts growing to ~13K tokens over a shared system prompt, bursts of 4
-sub-agents forking a parent's context, rare resets), closed loop. Pressure = working set / fleet GPU KV, where the
-working set is the agents' mean live context (the KV that would keep every session's prefix cached); it is swept by
+sub-agents forking a parent's context, rare resets), closed loop. Agentic turns read far more than they write (the
+trace: median 195K tokens in, 317 out, ~600:1), so prefill, which a cache hit saves, dominates an engine's time; the
+agents here keep that shape at contexts this machine can tokenize at fleet rates (~7K in, 30 out at the median,
+~230:1). With outputs of hundreds of tokens on 7K contexts (35:1) decode would dominate instead, and even a router
+that hit every prefix could not add more than ~15% req/s: such a workload cannot tell routers apart.
+Pressure = working set / fleet GPU KV, where the working set is the agents' mean live context (the KV that would
+keep every session's prefix cached); it is swept by
 sizing the engines' GPU KV (`kv.gpu_blocks`) for the same load, with and without a CPU tier (sized so the GPU and CPU
 tiers together hold 1.5x the working set).
 
@@ -20,17 +25,23 @@ workers), as a user would first run them.
 Per policy and level: hit share from the engines' own counters ((prefix cache hits + external hits) / queries over
 the run), req/s and TTFT p50/p90 from the client's rows, router queue p90 (llmd's rows; the peers do not say),
 preemptions from the engines' counter. Then the targets, each `name: value  # target ... (ratio R)`:
-- hit_vs_best_peer_at_pressure / req_per_s_vs_best_peer_at_pressure: precise over the best other router (llmd's
-  approximate and round-robin, the peers; the affinity profile is precise routing too and is shown, not counted),
-  at the highest level >= 1.3x (>= 1.15 and >= 1.2), without and with the CPU tier;
-- ttft_p90_vs_best_peer: the worst over levels of best other policy's TTFT p90 / precise's (>= 1);
-- precise_ge_all_levels: levels where precise's hit share and req/s are >= every other policy's (all of them);
+- hit_vs_best_peer_at_pressure / req_per_s_vs_best_peer_at_pressure: precise over the best public peer
+  (sglang-router, vllm-router) at the highest level >= 1.3x (>= 1.15 and >= 1.2), without and with the CPU tier;
+  the same against every other router (llmd's approximate and round-robin too, which share llmd's KV admission) is
+  printed beside them as `*_vs_best_other_*`;
+- ttft_p90_vs_best_peer: the worst over levels of the best peer's TTFT p90 / precise's (>= 1);
+- precise_ge_all_levels: levels where precise's hit share and req/s are >= every other router's (llmd's approximate
+  and round-robin and the peers; the affinity profile is precise routing too and is shown, not counted);
 - preemptions_total: over every llmd run (0; the peers' count is printed beside it).
 A figure (hit share and TTFT p90 against pressure, a line per policy, one row per CPU-tier setting) goes to
 results/bench-routing-fleet/routing_fleet.png with the table as CSV beside it.
 
-`python benchmarks/routing_fleet.py` (about 20 minutes on 2 cores); `--quick`: two levels, no CPU tier, llmd's
-policies and sglang-router; `--policies a,b` / `--levels 1,2` / `--cpu-tier off|on|both` / `--duration S` narrow it.
+Then the second prompt shape (SHORT_SYSTEM: a 200-token shared system prompt) at the highest level, GPU only:
+precise against llmd's approximate and round-robin and the cache-aware peers, `short_system_*` lines.
+
+`python benchmarks/routing_fleet.py` (about 45 minutes on 2 cores); `--quick`: two levels, no CPU tier, llmd's
+policies and sglang-router; `--policies a,b` / `--levels 1,2` / `--cpu-tier off|on|both` / `--duration S` /
+`--no-shape-check` narrow it.
 """
 
 from __future__ import annotations
@@ -58,9 +69,10 @@ ENGINES = 8
 BLOCK = 64
 MAX_MODEL_LEN = 16_384
 LEVELS = (0.5, 1.0, 1.5, 2.0)
-# Wall seconds per simulated second, engines and agents' tool gaps alike: the simulated fleet runs faster than real
-# time while the processes still have CPU to spare (checked by `# cpu_busy`); times are reported in simulated seconds.
-TIME_SCALE = 0.4
+# Wall seconds per simulated second, engines and agents' tool gaps alike. Real time: with short outputs the fleet
+# serves ~30-40 req/s of 7K-token prompts, which the engines' tokenizer, the router and the client keep up with on 2
+# cores (`cpu` in each row: busy cores over the run); times are reported in simulated seconds.
+TIME_SCALE = 1.0
 # Named policies: (router, argument). "llmd" runs `llmd router --policy ARG`; "llmd-affinity" the same with llm-d's
 # affinity decode profile; "sglang" / "vllm-router" the peer binaries with `--policy ARG`.
 POLICIES: dict[str, tuple[str, str]] = {
@@ -84,9 +96,9 @@ WORKLOAD_PARAMS: dict[str, Any] = {
     "growth_p50": 700,
     "growth_p90": 1400,
     "growth_p99": 2500,
-    "output_p50": 120,
-    "output_p90": 300,
-    "output_p99": 600,
+    "output_p50": 30,
+    "output_p90": 80,
+    "output_p99": 200,
     "gap_s_p50": 0.5,
     "gap_s_p90": 2.0,
     "gap_s_p99": 4.0,
@@ -101,6 +113,12 @@ WORKLOAD_PARAMS: dict[str, Any] = {
     "max_context": 13_000,
     "stagger_s": 2.0,
 }
+# A second prompt shape, so the comparison with the peers is not decided by one: the same agents over a short shared
+# system prompt. (With the long one, the peers' cache_aware policies send every new session to whichever worker
+# matched the system prompt first, until their load-balance thresholds trip.) Run at the highest pressure level,
+# GPU only, precise against the others; printed beside the sweep, not part of its targets.
+SHORT_SYSTEM = {**WORKLOAD_PARAMS, "system_tokens": 200}
+SHAPE_POLICIES = ("precise", "approximate", "round-robin", "sglang-cache_aware", "vllm-router-cache_aware")
 
 
 @dataclass
@@ -118,14 +136,15 @@ class Result:
     errors: int = 0
     first_error: str = ""
     cpu_busy: float = math.nan  # busy cores over the run (of os.cpu_count())
+    shape: str = ""  # "": the sweep's workload; "short_system": the second prompt shape
 
 
 # --- the fleet -------------------------------------------------------------------------------------------------------
-def working_set_tokens() -> float:
+def working_set_tokens(params: dict[str, Any]) -> float:
     """The agents' mean live context in tokens: per agent, the mean prompt of its first sessions' main turns."""
     from llmd.workload.profiles import Workload, build_profile
 
-    prof = build_profile("trace-stats", concurrency=AGENTS, duration_s=60, params={**WORKLOAD_PARAMS, "agents": AGENTS})
+    prof = build_profile("trace-stats", concurrency=AGENTS, duration_s=60, params={**params, "agents": AGENTS})
     w = Workload(prof, seed=0, salt="x")
     sizes = []
     for agent in range(AGENTS):
@@ -136,7 +155,9 @@ def working_set_tokens() -> float:
     return AGENTS * sum(sizes) / len(sizes)
 
 
-def spec_text(model: Path, port: int, router_port: int, gpu_blocks: int, cpu_bytes: int, seed: int) -> str:
+def spec_text(
+    model: Path, port: int, router_port: int, gpu_blocks: int, cpu_bytes: int, seed: int, params: dict[str, Any]
+) -> str:
     return f"""name: routing-fleet
 model:
   path: llama-3.1-8b
@@ -163,7 +184,7 @@ workload:
   time_scale: {TIME_SCALE}
   seed: {seed}
   concurrency: {AGENTS}
-  params: {dict(WORKLOAD_PARAMS, agents=AGENTS)!r}
+  params: {dict(params, agents=AGENTS)!r}
 """
 
 
@@ -232,7 +253,16 @@ def stop(*procs: subprocess.Popen | None) -> None:
 
 
 def run_one(
-    name: str, level: float, cpu_tier: bool, ws: float, model: Path, tmp: Path, duration: float, peers: Path | None
+    name: str,
+    level: float,
+    cpu_tier: bool,
+    ws: float,
+    model: Path,
+    tmp: Path,
+    duration: float,
+    peers: Path | None,
+    params: dict[str, Any] = WORKLOAD_PARAMS,
+    shape: str = "",
 ) -> Result | None:
     from llmd.engines.vllm_server import wait_healthy
     from llmd.metrics import read_requests
@@ -240,13 +270,13 @@ def run_one(
     from llmd.spec import load_spec
 
     kind, arg = POLICIES[name]
-    res = Result(name, level, cpu_tier)
+    res = Result(name, level, cpu_tier, shape=shape)
     gpu_blocks = max(math.ceil(ws / (level * ENGINES * BLOCK)), MAX_MODEL_LEN // BLOCK + 8)
     base = 10000 + (free_port() % 1500) * 10  # layout ports up to base + 3000 stay below the ephemeral range
     router_port = free_port()
     urls = [f"http://127.0.0.1:{base + i}" for i in range(ENGINES)]
-    spec = tmp / f"{name}-{level}-{int(cpu_tier)}.yaml"
-    text = spec_text(model, base, router_port, gpu_blocks, 0, seed=7)
+    spec = tmp / f"{name}-{level}-{int(cpu_tier)}{'-' + shape if shape else ''}.yaml"
+    text = spec_text(model, base, router_port, gpu_blocks, 0, seed=7, params=params)
     if cpu_tier:
         # GPU + CPU tiers together hold 1.5x the working set.
         kvb = LatencyModel.from_spec(load_spec(_write(spec, text)), "decode").kv_bytes_per_token_gpu
@@ -337,7 +367,7 @@ def _fmt(v: float, spec: str) -> str:
 
 def print_row(r: Result) -> None:
     tier = "cpu" if r.cpu_tier else "gpu"
-    key = f"{r.policy.replace('-', '_')}_{tier}_x{r.level:g}".replace(".", "_")
+    key = f"{r.shape + '_' if r.shape else ''}{r.policy.replace('-', '_')}_{tier}_x{r.level:g}".replace(".", "_")
     print(
         f"# {key}: hit {_fmt(r.hit_share, '.3f')}  req/s {_fmt(r.req_per_s, '.1f')}  "
         f"ttft p50 {_fmt(r.ttft_p50_s, '.2f')} s p90 {_fmt(r.ttft_p90_s, '.2f')} s  "
@@ -348,7 +378,14 @@ def print_row(r: Result) -> None:
     )
 
 
-def targets(results: list[Result]) -> None:
+def targets(results: list[Result], shape_results: list[Result]) -> None:
+    shape = {r.policy: r for r in shape_results}
+    if "precise" in shape and _peers(shape):
+        p = shape["precise"]
+        best_hit = max(o.hit_share for o in _peers(shape))
+        best_rps = max(o.req_per_s for o in _peers(shape))
+        info("short_system_hit_vs_best_peer", f"{p.hit_share / max(best_hit, 1e-9):.2f}")
+        info("short_system_req_per_s_vs_best_peer", f"{p.req_per_s / max(best_rps, 1e-9):.2f}")
     by: dict[tuple[bool, float], dict[str, Result]] = {}
     for r in results:
         by.setdefault((r.cpu_tier, r.level), {})[r.policy] = r
@@ -356,41 +393,57 @@ def targets(results: list[Result]) -> None:
     levels_ok = levels = 0
     for tier in sorted({r.cpu_tier for r in results}):
         suffix = "_cpu_tier" if tier else ""
-        pressured = sorted(lv for (t, lv) in by if t == tier and lv >= 1.3)
         for (t, _lv), group in sorted(by.items()):
-            if t != tier or "precise" not in group or not _rivals(group):
+            if t != tier or "precise" not in group:
                 continue
             p = group["precise"]
-            others = _rivals(group)
-            levels += 1
-            levels_ok += all(p.hit_share >= o.hit_share and p.req_per_s >= o.req_per_s for o in others)
-            best_ttft = min(o.ttft_p90_s for o in others)
-            worst_ttft = min(worst_ttft, best_ttft / max(p.ttft_p90_s, 1e-9))
+            if _rivals(group):
+                levels += 1
+                levels_ok += all(p.hit_share >= o.hit_share and p.req_per_s >= o.req_per_s for o in _rivals(group))
+            if _peers(group):
+                best_ttft = min(o.ttft_p90_s for o in _peers(group))
+                worst_ttft = min(worst_ttft, best_ttft / max(p.ttft_p90_s, 1e-9))
+        pressured = sorted(lv for (t, lv) in by if t == tier and lv >= 1.3)
         if pressured:
             lv = pressured[-1]
             group = by[(tier, lv)]
-            if "precise" in group and _rivals(group):
-                p = group["precise"]
-                others = _rivals(group)
+            if "precise" not in group:
+                continue
+            p = group["precise"]
+            info(f"pressure_level{suffix}", f"{lv:g}x working set / fleet KV")
+            for what, others in (("peer", _peers(group)), ("other", _rivals(group))):
+                if not others:
+                    info(f"hit_vs_best_{what}_at_pressure{suffix}", "n/a (none ran)")
+                    continue
                 best_hit = max(o.hit_share for o in others)
                 best_rps = max(o.req_per_s for o in others)
-                info(f"pressure_level{suffix}", f"{lv:g}x working set / fleet KV")
-                report(f"hit_vs_best_peer_at_pressure{suffix}", p.hit_share / max(best_hit, 1e-9), 1.15, True)
-                report(f"req_per_s_vs_best_peer_at_pressure{suffix}", p.req_per_s / max(best_rps, 1e-9), 1.2, True)
-    if levels:
+                if what == "peer":
+                    report(f"hit_vs_best_peer_at_pressure{suffix}", p.hit_share / max(best_hit, 1e-9), 1.15, True)
+                    report(f"req_per_s_vs_best_peer_at_pressure{suffix}", p.req_per_s / max(best_rps, 1e-9), 1.2, True)
+                else:  # llmd's own approximate and round-robin too (they share its KV admission): context
+                    info(f"hit_vs_best_other_at_pressure{suffix}", f"{p.hit_share / max(best_hit, 1e-9):.2f}")
+                    info(f"req_per_s_vs_best_other_at_pressure{suffix}", f"{p.req_per_s / max(best_rps, 1e-9):.2f}")
+    if worst_ttft < math.inf:
         report("ttft_p90_vs_best_peer", worst_ttft, 1.0, True)
+    if levels:
         report("precise_ge_all_levels", levels_ok / levels, 1.0, True)
     # llmd's own runs: the peers forward everything and leave KV admission to the engines (their count is context).
-    total = sum(r.preemptions for r in results if POLICIES[r.policy][0].startswith("llmd"))
-    peers = sum(r.preemptions for r in results if not POLICIES[r.policy][0].startswith("llmd"))
+    every = results + shape_results
+    total = sum(r.preemptions for r in every if POLICIES[r.policy][0].startswith("llmd"))
+    peers = sum(r.preemptions for r in every if not POLICIES[r.policy][0].startswith("llmd"))
     info("peer_preemptions_total", peers)
     print(f"preemptions_total: {total}  # target <= 0 ({'met' if total == 0 else 'missed'})", flush=True)
 
 
 def _rivals(group: dict[str, Result]) -> list[Result]:
-    """What precise is held against: every other router, not the affinity profile (precise routing too, from the
-    same KV index: it is compared with precise in the table and the README, not counted as a peer)."""
+    """Every other router: llmd's approximate and round-robin and the public peers. Not the affinity profile: it is
+    precise routing too, from the same KV index, compared with precise in the table and the README."""
     return [r for k, r in group.items() if k != "precise" and POLICIES[k][0] != "llmd-affinity"]
+
+
+def _peers(group: dict[str, Result]) -> list[Result]:
+    """The public peers (sglang-router, vllm-router): what the issue's "best peer" targets are held against."""
+    return [r for k, r in group.items() if POLICIES[k][0] in PEER_PACKAGES]
 
 
 def figure(results: list[Result], path: Path) -> None:
@@ -434,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=40.0, help="seconds of load per run")
     p.add_argument("--out", default=str(ROOT / "results" / "bench-routing-fleet"))
     p.add_argument("--keep", action="store_true", help="keep the runs' specs, logs and HDF5 files (in --out/work)")
+    p.add_argument("--no-shape-check", action="store_true", help="skip the second prompt shape (short system prompt)")
     a = p.parse_args(argv)
     policies = list(POLICIES)
     levels = list(LEVELS)
@@ -454,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from llmd.models.tiny import make_tiny
 
-    ws = working_set_tokens()
+    ws = working_set_tokens(WORKLOAD_PARAMS)
     info("working_set_tokens", f"{ws:,.0f} ({AGENTS} agents, {ENGINES} engines, block {BLOCK})")
     results: list[Result] = []
     keep = out / "work" if a.keep else None
@@ -480,17 +534,31 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     results.append(r)
                     print_row(r)
+        shape_results: list[Result] = []
+        if not (a.quick or a.no_shape_check):
+            ws_short = working_set_tokens(SHORT_SYSTEM)
+            info("short_system_working_set_tokens", f"{ws_short:,.0f} (system prompt 200 tokens)")
+            for name in [s for s in SHAPE_POLICIES if s in policies]:
+                try:
+                    r = run_one(name, max(levels), False, ws_short, model, tmp, a.duration, peers, SHORT_SYSTEM,
+                                "short_system")  # fmt: skip
+                except Exception as exc:
+                    info(f"short_system_{name}", f"failed: {exc}")
+                    continue
+                if r is not None:
+                    shape_results.append(r)
+                    print_row(r)
     with open(out / "routing_fleet.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["policy", "cpu_tier", "pressure", "hit_share", "req_per_s", "ttft_p50_s", "ttft_p90_s",
+        w.writerow(["policy", "shape", "cpu_tier", "pressure", "hit_share", "req_per_s", "ttft_p50_s", "ttft_p90_s",
                     "router_queue_p90_s", "preemptions", "requests", "errors"])  # fmt: skip
-        for r in results:
-            w.writerow([r.policy, int(r.cpu_tier), r.level, r.hit_share, r.req_per_s, r.ttft_p50_s, r.ttft_p90_s,
-                        r.queue_p90_s, r.preemptions, r.requests, r.errors])  # fmt: skip
+        for r in results + shape_results:
+            w.writerow([r.policy, r.shape or "long_system", int(r.cpu_tier), r.level, r.hit_share, r.req_per_s,
+                        r.ttft_p50_s, r.ttft_p90_s, r.queue_p90_s, r.preemptions, r.requests, r.errors])  # fmt: skip
     if results:
         figure(results, out / "routing_fleet.png")
         info("figure", out / "routing_fleet.png")
-        targets(results)
+        targets(results, shape_results)
     return 0
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from llmd.discovery import FILE_NAME, entry_for, publish
 from llmd.engines.kinds import engine_kind
+from llmd.engines.sim_kind import sim_argv
 from llmd.engines.vllm_server import EngineStartError, stop_process_group, wait_healthy
 from llmd.errors import UserError
 from llmd.metrics.run_files import engine_metrics_path
 from llmd.spec import load_spec
-from llmd.spec.layout import EngineEndpoint, engine_endpoints
+from llmd.spec.layout import engine_endpoints
 
 
 def node_address() -> str:
@@ -34,24 +35,6 @@ def node_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def sim_command(spec_path: Path, role: str, ep: EngineEndpoint, node: str) -> list[str]:
-    return [
-        sys.executable, "-u", "-m", "llmd.cli", "engine", "sim",
-        "--spec", str(spec_path),
-        "--role", role,
-        "--name", ep.name,
-        "--host", ep.host,
-        "--port", str(ep.http_port),
-        "--dp-ranks", str(ep.dp_size),
-        "--kv-events-endpoint", ep.kv_events_endpoint(bind=True),
-        "--kv-events-replay-endpoint", ep.replay_endpoint(bind=True),
-        "--side-channel-host", ep.host,
-        "--side-channel-port", str(ep.side_channel_port),
-        "--engine-id", ep.engine_id,
-        "--node", node,
-    ]  # fmt: skip
 
 
 def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
@@ -78,7 +61,10 @@ def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
         return 0
     ep = next(e for e in engine_endpoints(spec, host=node_address()) if e.role == role and e.replica == replica)
     print(f"{role} node {node_index} ({node}): starting {ep.name} at {ep.url}", flush=True)
-    cmd = [*sim_command(spec_path, role, ep, node), "--metrics-out", str(engine_metrics_path(run_dir, ep.name))]
+    # The same command line llmd.fabric's plan gives a sim replica; -u: its log lines reach the job's log as they come.
+    cmd = sim_argv(str(spec_path), ep, ep.host, node, True, sys.executable)
+    cmd[1:1] = ["-u"]
+    cmd += ["--metrics-out", str(engine_metrics_path(run_dir, ep.name))]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         wait_healthy(f"{ep.url}/health", proc, spec.engine.startup_timeout_s, name=ep.name)

@@ -31,19 +31,21 @@ DEFAULT_DURATION_S = 60.0
 COMPARE_DURATION_S = 30.0  # per policy: three runs still finish in under two minutes
 SHORT_DURATION_S = 5.0
 # The default demo's agentic profile, scaled for a 2-core machine and the tiny model's 4096-token window:
-# AutomationBench's 8 closed-loop coding agents with contexts at 4% (sessions start at 480 tokens and grow to ~2.6K),
-# 0.3 s tool gaps, two-turn sub-agents. No compactions: at this scale a compaction can shrink a context below the
-# prompt writer's floor (llmd.workload.prompts raises "need at least one token of text").
+# AutomationBench's closed-loop coding agents, 12 of them, with contexts at 4% (sessions start at 480 tokens and grow
+# to ~2.6K), 0.3 s tool gaps, two-turn sub-agents. Outputs keep agentic traffic's shape (a turn reads far more than it
+# writes: the trace's median is 195K in, 317 out), so prefill, which a cache hit saves, is what the engines spend their
+# time on. No compactions: at this scale a compaction can shrink a context below the prompt writer's floor
+# (llmd.workload.prompts raises "need at least one token of text").
 DEMO_WORKLOAD: dict[str, Any] = {
     "profile": "automationbench",
-    "concurrency": 8,
+    "concurrency": 12,
     "context_scale": 0.04,
     "params": {
         "initial": 12_000,
         "growth_p99": 12_000,
-        "output_p50": 400,
-        "output_p90": 1200,
-        "output_p99": 2400,
+        "output_p50": 60,
+        "output_p90": 150,
+        "output_p99": 400,
         "gap_s": 0.3,
         "subagent_turns": 2,
         "compaction_p": 0.0,
@@ -69,15 +71,19 @@ class PolicyRun:
 # ---- setup -----------------------------------------------------------------------------------------------------------
 
 
-# The embedded deployment: 3 prefill + 2 decode engines, each with a deliberately small KV cache (800 blocks of 16
-# tokens) that holds about its own share of the agents' sessions but not all of them. With the tiny model's derived
-# capacity (hundreds of thousands of blocks on the H100 profile) nothing is ever evicted and every policy hits the
-# cache alike. Several prefill engines matter too: on the P/D path the hits reported are the prefill side's, and a
-# single prefill engine would see every session whatever the policy. Constrained, sticky routing keeps each session's
-# prefix where it was computed; spraying (round-robin) makes every engine hold every session, and they evict.
+# The embedded deployment: 3 prefill + 2 decode engines under KV pressure: each holds 264 blocks of 16 tokens (the
+# least that fits one 4096-token request), so the agents' main sessions alone (~12.6K tokens at their mean context)
+# fill what the prefill pool holds, and sub-agents and requests in flight push past it, as in a fleet serving more
+# agents than its KV keeps. With the tiny model's derived capacity
+# (hundreds of thousands of blocks on the H100 profile) nothing is ever evicted and every policy hits the cache alike.
+# Several prefill engines matter too: on the P/D path the hits reported are the prefill side's, and a single prefill
+# engine would see every session whatever the policy. Routing that knows what each engine holds keeps each session's
+# prefix where it is cached; routing from memory (approximate) follows prefixes the engines have already evicted;
+# spraying (round-robin) makes every engine hold every session, and they evict. The simulated engines take their step
+# times from the sim kind's demo model (llmd.engines.sim_kind): with the tiny model's own, every prefill would be free.
 DEMO_PREFILL = {"nodes": 3, "replicas": 3}
 DEMO_DECODE = {"nodes": 2, "replicas": 2}
-DEMO_KV = {"gpu_blocks": 800}
+DEMO_KV = {"gpu_blocks": 264}
 
 
 def _load_spec(args: argparse.Namespace) -> Any:

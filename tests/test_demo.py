@@ -161,3 +161,40 @@ def test_demo_embedded_deployment_has_a_constrained_kv_cache(tmp_path) -> None:
     assert spec.kv.gpu_blocks is not None and spec.kv.gpu_blocks <= 2048
     assert spec.kv.cpu_bytes == 0
     assert spec.workload.concurrency > spec.decode.replicas
+
+
+def test_demo_embedded_deployment_is_under_kv_pressure_with_prefill_that_costs() -> None:
+    """--compare can only show what routing is for if the agents' live sessions fill what the prefill pool caches (the
+    main sessions' mean contexts alone about fill it; sub-agents and requests in flight add to that) and a recomputed
+    prefix costs time (the tiny model's own step times would make every prefill free)."""
+    import argparse
+
+    from llmd.demo import _load_spec
+    from llmd.perf.latency import LatencyModel
+    from llmd.workload.profiles import profile_from_spec
+
+    spec = _load_spec(argparse.Namespace(spec=None, short=False, compare=True, duration=None))
+    w = profile_from_spec(spec.workload)
+    live = []
+    for agent in range(spec.workload.concurrency):
+        plans = w.agent_sessions(agent)
+        first = next(plans)
+        live.append(sum(t.input_tokens for t in first.turns) / len(first.turns))
+    working_set = sum(live)
+    assert spec.kv.gpu_blocks is not None
+    pool_kv = spec.prefill.replicas * (spec.kv.gpu_blocks - 1) * spec.model.block_size
+    assert working_set > 0.9 * pool_kv, (working_set, pool_kv)
+    assert LatencyModel.from_spec(spec, "prefill").prefill_time(2048) > 0.02
+    assert spec.model.tokenizer is not None and Path(spec.model.tokenizer).name == "tiny"
+
+
+def test_demo_from_a_spec_file_keeps_its_model(tmp_path) -> None:
+    import argparse
+
+    from llmd.demo import _load_spec
+    from llmd.spec import DeploymentSpec, dump_spec
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(dump_spec(DeploymentSpec()))
+    spec = _load_spec(argparse.Namespace(spec=path, short=False, compare=False, duration=None))
+    assert spec.model.path == DeploymentSpec().model.path

@@ -27,6 +27,7 @@ from routerutil import (
 )
 
 from llmd.router.proxy import Router, RouterConfig
+from llmd.spec.model import RouterSpec
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,23 @@ def test_queue_full_answers_429_with_retry_after(model_dir: Path) -> None:
                 assert metric(text, "llmd_router_requests_total", route="/v1/completions", status="429") == 1
 
     run(body)
+
+
+def test_a_scorer_reading_text_makes_the_router_keep_the_prompt_text() -> None:
+    # Whether the router hashes prompt text follows the scorers' declared inputs, not a list of scorer names.
+    from llmd.router.scheduling import ScorerPlugin, register_scorer, unregister_scorer
+    from llmd.router.scheduling.load import QueueScorer
+
+    def needs_text(spec: RouterSpec) -> bool:
+        return Router(RouterConfig.from_router_spec(spec, port=0), [])._needs_text
+
+    register_scorer(ScorerPlugin("text-reader", lambda setup: QueueScorer(), frozenset({"text"})))
+    try:
+        assert not needs_text(RouterSpec())
+        assert needs_text(RouterSpec(weights={"prefix": 1.0, "text-reader": 1.0}))
+        assert needs_text(RouterSpec(policy="approximate"))
+    finally:
+        unregister_scorer("text-reader")
 
 
 def test_api_key_body_limit_and_malformed_requests(model_dir: Path) -> None:

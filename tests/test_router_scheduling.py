@@ -25,6 +25,8 @@ from llmd.router.scheduling import (
     text_chunk_hashes,
 )
 from llmd.router.scheduling.approximate import ApproxPrefixCache
+from llmd.router.scheduling.load import KVUtilScorer, LoadAwareScorer, QueueScorer, TokenLoadScorer
+from llmd.router.scheduling.no_hit_lru import NoHitLRUScorer
 from llmd.router.scheduling.pd import (
     ConstantRateModel,
     PDInputs,
@@ -34,16 +36,14 @@ from llmd.router.scheduling.pd import (
     estimate_local_s,
 )
 from llmd.router.scheduling.picker import pick_max, weighted_totals
-from llmd.router.scheduling.scorers import (
-    ApproximatePrefixScorer,
-    KVUtilScorer,
-    LoadAwareScorer,
-    NoHitLRUScorer,
-    PrecisePrefixScorer,
-    QueueScorer,
+from llmd.router.scheduling.plugins import (
+    ScorerPlugin,
     ScoringContext,
-    TokenLoadScorer,
+    register_scorer,
+    scorer_names,
+    unregister_scorer,
 )
+from llmd.router.scheduling.prefix import ApproximatePrefixScorer, PrecisePrefixScorer
 from llmd.router.scheduling.speculative import SpeculativeIndex
 from llmd.router.scheduling.state import Candidate
 from llmd.spec.model import RouterSpec
@@ -406,6 +406,90 @@ def test_endpoint_identity() -> None:
     assert f.holder == ("p", 0) and e.holder == ("p", 1)
     assert e == Endpoint("p", 1, "decode", "u", ranks=2) and hash(e) == hash(Endpoint("p", 1, "decode", "u", ranks=2))
     assert e != f and len({e, f, Endpoint("p", 1, "decode", "u", ranks=2)}) == 2
+
+
+# --- plugins --------------------------------------------------------------------------------------------------------
+
+
+class FewestRunning:
+    """A scorer as a user would add one: prefers the endpoints with the fewest running requests (1 for the fewest,
+    0 for the most); remembers where requests were routed, to show the learning hooks are called."""
+
+    name = "fewest-running"
+
+    def __init__(self) -> None:
+        self.routed: list[str] = []
+
+    def score(self, ctx: ScoringContext, cands: list[Candidate]) -> list[float]:
+        runs = [c.state.running for c in cands]
+        lo, hi = min(runs, default=0), max(runs, default=0)
+        return [1.0 if hi == lo else (hi - r) / (hi - lo) for r in runs]
+
+    def observe_routed(self, req: RouteRequest, decision: Decision, now: float, capacity: object) -> None:
+        self.routed.append(decision.target.pod)
+
+    def forget_pod(self, pod: str) -> None:
+        self.routed = [p for p in self.routed if p != pod]
+
+
+def test_adding_a_scorer_is_one_class_and_one_registration() -> None:
+    register_scorer(ScorerPlugin("fewest-running", lambda setup: FewestRunning(), frozenset({"engine_state"})))
+    try:
+        assert scorer_names()[-1] == "fewest-running"
+        s = Scheduler(spec(weights={"fewest-running": 1.0}), seed=0)  # the spec accepts the new key
+        assert s.weights == {"fewest-running": 1.0}
+        assert "engine_state" in s.inputs and "text" not in s.inputs
+        states = {A: EndpointState(running=5), B: EndpointState(running=1), C: EndpointState(running=3)}
+        r = request(blocks(4, 1))
+        d = s.schedule(r, snap(states))
+        assert d.target == B and d.scores[B].parts == {"fewest-running": 1.0} and d.scores[A].total == 0.0
+        s.observe_routed(r, d, 0.0)
+        scorer = s.columns[0][2]
+        assert isinstance(scorer, FewestRunning) and scorer.routed == ["b"]
+        s.forget_pod("b")
+        assert scorer.routed == []
+        # Weighed beside the built-in ones, after them (registration order).
+        mixed = Scheduler(spec(weights={"queue": 1.0, "fewest-running": 2.0}), seed=0)
+        assert list(mixed.weights) == ["queue", "fewest-running"]
+        assert mixed.schedule(r, snap(states)).target == B
+    finally:
+        unregister_scorer("fewest-running")
+    with pytest.raises(ValueError, match="'prefix', 'approximate-prefix'"):
+        spec(weights={"fewest-running": 1.0})
+
+
+def test_a_scorers_declared_inputs_reach_the_scheduler() -> None:
+    # A scorer reading text chunk hashes under the precise policy: the scheduler (and so the proxy) must keep text.
+    register_scorer(ScorerPlugin("text-length", lambda setup: QueueScorer(), frozenset({"text"})))
+    try:
+        assert "text" in Scheduler(spec(weights={"prefix": 1.0, "text-length": 1.0})).inputs
+        assert "text" not in Scheduler(spec(weights={"prefix": 1.0, "text-length": 0.0})).inputs
+        with pytest.raises(ValueError, match="already registered"):
+            register_scorer(ScorerPlugin("text-length", lambda setup: QueueScorer()))
+    finally:
+        unregister_scorer("text-length")
+    with pytest.raises(ValueError, match="unknown input"):
+        ScorerPlugin("bad", lambda setup: QueueScorer(), frozenset({"gpu"}))  # type: ignore[arg-type]
+
+
+def test_builtin_scorers_keep_their_column_order() -> None:
+    # The weighted parts of a total are summed in registration order: another order changes totals in the last bits
+    # and with them seeded tie-breaks, so the built-in modules are imported in this order (scheduling/__init__.py).
+    assert scorer_names()[:7] == (
+        "prefix",
+        "approximate-prefix",
+        "kv-util",
+        "queue",
+        "load-aware",
+        "token-load",
+        "no-hit-lru",
+    )
+
+
+def test_policies_declare_what_the_router_must_gather() -> None:
+    assert Scheduler(spec()).inputs == {"tokens", "kv_index", "engine_state"}
+    assert Scheduler(spec(policy="approximate")).inputs == {"text", "engine_state"}
+    assert "text" in Scheduler(spec(weights={"prefix": 1.0, "approximate-prefix": 1.0})).inputs
 
 
 def test_bad_config() -> None:

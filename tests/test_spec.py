@@ -263,6 +263,13 @@ def test_vllm_on_cpu_needs_blocks_of_32(tmp_path: Path) -> None:
         assert spec.model.block_size == block
 
 
+def test_kv_too_small_for_one_request(tmp_path: Path) -> None:
+    text = "model:\n  block_size: 16\n  max_model_len: 4096\nkv:\n  gpu_blocks: 256\n"
+    msg = issues_of(tmp_path, text)["kv.gpu_blocks"]
+    assert "cannot hold one request of model.max_model_len 4096 (needs 257" in msg and "raise kv.gpu_blocks" in msg
+    load_spec(write(tmp_path, text.replace("256", "257")))
+
+
 def test_bad_block_size(tmp_path: Path) -> None:
     issues = issues_of(tmp_path, "model: {block_size: 12}\n")
     assert issues["model.block_size"].startswith("12 is not a valid block size; use 1 or a multiple of 8")
@@ -455,3 +462,21 @@ def test_spec_literals_match_the_registries() -> None:
 
     assert set(get_args(EngineKind)) == set(ENGINE_KINDS)
     assert set(get_args(WorkloadProfile)) == {*PROFILE_BUILDERS, REPLAY_PROFILE}
+
+
+def test_scorer_weights_follow_the_plugin_registry(tmp_path: Path) -> None:
+    # RouterSpec.weights keys are validated against the router's scorer registry (no Literal to keep in step): every
+    # registered scorer is a valid key, the defaults name registered scorers, and a registered scorer is valid at once.
+    from llmd.router.scheduling import ScorerPlugin, register_scorer, scorer_names, unregister_scorer
+    from llmd.router.scheduling.load import QueueScorer
+    from llmd.spec.model import RouterSpec
+
+    assert set(RouterSpec().weights) <= set(scorer_names())
+    assert set(RouterSpec(weights=dict.fromkeys(scorer_names(), 1.0)).weights) == set(scorer_names())
+    register_scorer(ScorerPlugin("my-scorer", lambda setup: QueueScorer()))
+    try:
+        assert load_spec(write(tmp_path, "router:\n  weights: {my-scorer: 1.0}\n")).router.weights == {"my-scorer": 1.0}
+    finally:
+        unregister_scorer("my-scorer")
+    message = issues_of(tmp_path, "router:\n  weights: {my-scorer: 1.0}\n")["router.weights.my-scorer"]
+    assert message.startswith('unknown scorer "my-scorer"') and ", ".join(scorer_names()) in message

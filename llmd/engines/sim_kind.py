@@ -53,8 +53,18 @@ def spec_issues(spec: DeploymentSpec) -> list[SpecIssue]:
     return []
 
 
+# The latency profile the embedded demo's simulated engines run: the tiny model's own step times are microseconds, so
+# a prefill would cost nothing and caching would not matter; an 8B model on the spec's GPU makes it cost what it does.
+DEMO_LATENCY_MODEL = "llama-3.1-8b"
+
+
 def demo_spec(spec: DeploymentSpec, embedded: bool) -> DeploymentSpec:
-    return spec
+    if not embedded:
+        return spec
+    tokenizer = spec.model.tokenizer or spec.model.path  # the tiny model's tokenizer still writes the prompts
+    return spec.model_copy(
+        update={"model": spec.model.model_copy(update={"path": DEMO_LATENCY_MODEL, "tokenizer": tokenizer})}
+    )
 
 
 SIM = register_engine_kind(

@@ -112,7 +112,8 @@ class Router:
         if encoder is None and c.tokenizer is not None and self._needs_tokens:
             encoder = load_encoder(c)
         self.encoder = encoder
-        self._needs_text = c.policy == "approximate" or "approximate-prefix" in dict(getattr(settings, "weights", {}))
+        # The scheduler knows from its plugins' declarations whether any of them reads the prompt's text chunks.
+        self._needs_text = "text" in self.scheduler.inputs
         self._prompts = PromptReader(encoder, self._needs_text, self._needs_tokens, c.offload_tokenize_bytes)
         self.upstream = Upstream(self.metrics, self.core.calibrate, c.prefill_timeout_s, c.connect_timeout_s)
         self.http: aiohttp.ClientSession | None = None

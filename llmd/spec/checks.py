@@ -186,6 +186,28 @@ def check_context_fits_a_block(spec: DeploymentSpec) -> list[SpecIssue]:
     ]
 
 
+@check("model", "kv")
+def check_kv_holds_one_request(spec: DeploymentSpec) -> list[SpecIssue]:
+    """An engine refuses to start when its KV cannot hold one max_model_len request (vLLM: "To serve at least one
+    request with the models's max seq len ... blocks are needed"); say so at spec check, not as a traceback at start.
+    Block 0 is vLLM's null block and holds no KV."""
+    blocks = spec.kv.gpu_blocks
+    model = spec.model
+    if blocks is None or model.block_size < 1:
+        return []
+    need = -(-model.max_model_len // model.block_size) + 1
+    if blocks >= need:
+        return []
+    return [
+        SpecIssue(
+            "kv.gpu_blocks",
+            f"{blocks} blocks of {model.block_size} tokens cannot hold one request of model.max_model_len "
+            f"{model.max_model_len} (needs {need}, one of them vLLM's null block); raise kv.gpu_blocks to at least "
+            f"{need} or lower model.max_model_len",
+        )
+    ]
+
+
 @check("engine", "model")
 def check_engine_kind(spec: DeploymentSpec) -> list[SpecIssue]:
     """What only the spec's engine kind needs (e.g. vLLM's model weights), from its entry in llmd.engines.kinds."""

@@ -11,10 +11,10 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 RouterPolicy = Literal["precise", "approximate", "round-robin", "least-loaded", "random"]
-ScorerName = Literal["prefix", "approximate-prefix", "kv-util", "queue", "load-aware", "token-load", "no-hit-lru"]
 KVTier = Literal["gpu", "cpu"]
 PDDecider = Literal["threshold", "queue-aware"]
 EngineKind = Literal["sim", "vllm"]
@@ -95,6 +95,20 @@ def _sbatch_option(value: str) -> str:
     return value
 
 
+def _scorer_name(name: str) -> str:
+    # The scorers register themselves with the router's plugin registry, so a scorer added there is a valid key here
+    # with no second list to keep. Imported on use: the spec module itself imports nothing else of llmd's. Raised as a
+    # Literal's error so pydantic and llmd.spec.load report it as before ("unknown scorer ...; use one of: ...").
+    from llmd.router.scheduling.plugins import scorer_names
+
+    names = scorer_names()
+    if name not in names:
+        expected = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}" if len(names) > 1 else repr(names[0])
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
+ScorerName = Annotated[str, AfterValidator(_scorer_name)]
 Weight = Annotated[float, Field(ge=0)]
 SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
 

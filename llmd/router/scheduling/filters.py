@@ -1,9 +1,13 @@
-"""Filters: which endpoints may take a hop at all. Each maps candidates to a (possibly empty) subset, order kept."""
+"""Filters: which endpoints may take a hop at all. Each maps candidates to a (possibly empty) subset, order kept.
+
+The policy fixes which filters run (the spec names none); each is registered with the inputs it reads so the
+scheduler's `inputs` cover its whole pipeline."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from llmd.router.scheduling.plugins import FilterPlugin, register_filter
 from llmd.router.scheduling.state import HOP_ROLES, Candidate, EndpointState, Hop
 
 
@@ -63,3 +67,10 @@ def prefix_affinity(
     if min(ttft_s[i] for i in sticky) - min(ttft_s[i] for i in rest) > max_penalty_s:
         return list(cands)
     return [cands[i] for i in sticky]
+
+
+_ENGINE = frozenset({"engine_state"})
+register_filter(FilterPlugin("routable", routable, _ENGINE))  # health comes from the engines' health checks
+register_filter(FilterPlugin("has-capacity", has_capacity))  # the router's own in-flight count
+register_filter(FilterPlugin("kv-room", kv_room, _ENGINE))  # the engines' KV capacity
+register_filter(FilterPlugin("prefix-affinity", prefix_affinity))  # the prefix source's scores

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from llmd.router.scheduling.plugins import PickerPlugin, register_picker
+
 # Totals this close are a tie: float sums of the same parts in another order differ in the last bits.
 TIE_EPS = 1e-9
 
@@ -34,3 +36,7 @@ def pick_max(totals: Sequence[float], rng: random.Random) -> int:
 def pick_min(values: Sequence[float], rng: random.Random) -> int:
     """Index of the lowest value, ties broken as in `pick_max`."""
     return pick_max([-v for v in values], rng)
+
+
+register_picker(PickerPlugin("max-score", pick_max))
+register_picker(PickerPlugin("min-value", pick_min))

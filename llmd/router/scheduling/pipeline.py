@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from llmd.router.scheduling import filters
-from llmd.router.scheduling.approximate import ApproxPrefixCache
+from llmd.router.scheduling.load import LOAD_AWARE_THRESHOLD, TOKEN_LOAD_LIMIT
 from llmd.router.scheduling.pd import (
     ConstantRateModel,
     CostModel,
@@ -37,22 +37,18 @@ from llmd.router.scheduling.pd import (
     overloaded,
 )
 from llmd.router.scheduling.picker import pick_max, pick_min, weighted_totals
-from llmd.router.scheduling.scorers import (
-    LOAD_AWARE_THRESHOLD,
-    TOKEN_LOAD_LIMIT,
-    ApproximatePrefixScorer,
-    KVUtilScorer,
-    LoadAwareScorer,
-    NoHitLRUScorer,
-    PrecisePrefixScorer,
+from llmd.router.scheduling.plugins import (
+    FILTERS,
+    SCORERS,
+    Input,
+    Learner,
     PrefixHit,
-    QueueScorer,
     Scorer,
+    ScorerSetup,
     ScoringContext,
-    TokenLoadScorer,
-    prefix_scores,
+    scorer_names,
 )
-from llmd.router.scheduling.speculative import SpeculativeIndex
+from llmd.router.scheduling.prefix import ApproximatePrefixScorer, PrecisePrefixScorer, prefix_scores
 from llmd.router.scheduling.state import (
     HOP_ROLES,
     Candidate,
@@ -71,8 +67,6 @@ if TYPE_CHECKING:
     from llmd.kv.index import KVIndex
 
 POLICIES = ("precise", "approximate", "round-robin", "least-loaded", "random")
-SCORER_NAMES = ("prefix", "approximate-prefix", "kv-util", "queue", "load-aware", "token-load", "no-hit-lru")
-_PREFIX_SCORERS = frozenset({"prefix", "approximate-prefix"})
 _SCORING = frozenset({"precise", "approximate"})
 
 
@@ -140,9 +134,11 @@ class Scheduler:
     ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown router policy {config.policy!r}; expected one of {', '.join(POLICIES)}")
-        unknown = sorted(set(config.weights) - set(SCORER_NAMES))
+        # Resolved once here: the per-request path reads only the instances and columns built below.
+        known = scorer_names()
+        unknown = sorted(set(config.weights) - set(known))
         if unknown:
-            raise ValueError(f"unknown scorer(s) {', '.join(unknown)}; expected some of {', '.join(SCORER_NAMES)}")
+            raise ValueError(f"unknown scorer(s) {', '.join(unknown)}; expected some of {', '.join(known)}")
         if config.pd_decider not in ("threshold", "queue-aware"):
             raise ValueError(f"unknown pd_decider {config.pd_decider!r}; expected threshold or queue-aware")
         self.config = config
@@ -153,24 +149,37 @@ class Scheduler:
         self.max_ttft_penalty_s = float(getattr(config, "max_ttft_penalty_s", 18.0))
         self.gpu_w = float(config.tier_weights.get("gpu", 1.0))
         self.cpu_w = float(config.tier_weights.get("cpu", 0.8))
-        self.speculative = SpeculativeIndex(config.speculative_ttl_s, t.speculative_max_blocks)
-        self.approx_cache = ApproxPrefixCache(
-            t.chunk_chars, t.chars_per_token, t.approx_default_gpu_blocks, t.approx_cpu_tier
-        )
-        self.precise = PrecisePrefixScorer(self.speculative, self.gpu_w, self.cpu_w)
-        self.approximate = ApproximatePrefixScorer(self.approx_cache, self.gpu_w, self.cpu_w)
-        self.no_hit_lru = NoHitLRUScorer()
+        self._setup = ScorerSetup(config, t, self.gpu_w, self.cpu_w)
+        self._scorers: dict[str, Scorer] = {}  # one instance per registered name in use, shared by its roles
+        # The two prefix sources are always built: the policy's one backs hit counts, cold detection, P2P and P/D.
+        self.precise: PrecisePrefixScorer = self._scorer("prefix")  # type: ignore[assignment]
+        self.approximate: ApproximatePrefixScorer = self._scorer("approximate-prefix")  # type: ignore[assignment]
+        self.speculative = self.precise.speculative
+        self.approx_cache = self.approximate.cache
         self.decode_model: CostModel = latency or ConstantRateModel()
         self.prefill_model: CostModel = prefill_latency or self.decode_model
-        self.columns: tuple[tuple[str, float, Scorer], ...] = self._columns(config.weights)
-        names = {name for name, _, _ in self.columns}
-        # The prefix source behind hit counts, cold detection, P2P and P/D.
+        self.columns: tuple[tuple[str, float, Scorer], ...] = self._columns(config.weights, known)
         self._primary: PrecisePrefixScorer | ApproximatePrefixScorer = (
             self.approximate if self.policy == "approximate" else self.precise
         )
-        self._feed_speculative = self._primary is self.precise and config.speculative_ttl_s > 0
-        self._feed_approx = "approximate-prefix" in names
-        self._feed_no_hit = "no-hit-lru" in names
+        plugins = [SCORERS[name] for name, _, _ in self.columns]
+        # A cold request is placed by the cold spreader (the no-hit LRU) and load alone when one is in use: where a
+        # shared prefix happens to sit says nothing about where its session should live.
+        spread = any(p.spreads_cold for p in plugins)
+        self._cold_columns = tuple(c for c, p in zip(self.columns, plugins, strict=True) if not (spread and p.prefix))
+        # Learning: the scorers in use, and the precise policy's prefix source even without a weight (its speculative
+        # entries back the hit counts the load scorers, P2P and P/D read). Without a weight the approximate source does
+        # not learn, as before the registry.
+        in_use = [scorer for _, _, scorer in self.columns]
+        if self._primary is self.precise:
+            in_use.append(self.precise)
+        self._learners: tuple[Learner, ...] = tuple({id(s): s for s in in_use if isinstance(s, Learner)}.values())
+        run = ["routable", *(("has-capacity", "kv-room") if t.capacity_filter else ())]
+        if self.affinity > 0 and self.policy in _SCORING:
+            run.append("prefix-affinity")
+        primary = "approximate-prefix" if self._primary is self.approximate else "prefix"
+        consumed = [SCORERS[primary].consumes, *(p.consumes for p in plugins), *(FILTERS[f].consumes for f in run)]
+        self.inputs: frozenset[Input] = frozenset().union(*consumed)
         self._rng = random.Random(seed)
         self._rr: dict[Hop, int] = {"decode": 0, "prefill": 0}
         self._capacity: dict[Holder, tuple[int, int]] = {}  # (GPU, CPU) blocks, as last seen when routed to
@@ -178,25 +187,21 @@ class Scheduler:
         self._sessions: OrderedDict[str, None] = OrderedDict()
         self._max_sessions = 1_000_000
 
-    def _columns(self, weights: Mapping[str, float]) -> tuple[tuple[str, float, Scorer], ...]:
+    def _scorer(self, name: str) -> Scorer:
+        scorer = self._scorers.get(name)
+        if scorer is None:
+            scorer = self._scorers[name] = SCORERS[name].factory(self._setup)
+        return scorer
+
+    def _columns(self, weights: Mapping[str, float], order: Sequence[str]) -> tuple[tuple[str, float, Scorer], ...]:
         if self.policy not in _SCORING:
             return ()
-        t = self.tuning
         w = dict(weights)
         if self.policy == "approximate":
             w["approximate-prefix"] = w.get("approximate-prefix", w.pop("prefix", 0.0))
             w.pop("prefix", None)
-        make: dict[str, Scorer] = {
-            "prefix": self.precise,
-            "approximate-prefix": self.approximate,
-            "kv-util": KVUtilScorer(),
-            "queue": QueueScorer(),
-            "load-aware": LoadAwareScorer(t.load_aware_threshold),
-            "token-load": TokenLoadScorer(t.token_load_limit),
-            "no-hit-lru": self.no_hit_lru,
-        }
-        # Spec order, not the caller's dict order: the parts of a total are summed in one fixed order.
-        return tuple((name, float(w[name]), make[name]) for name in SCORER_NAMES if w.get(name, 0.0) > 0)
+        # Registry order, not the caller's dict order: the parts of a total are summed in one fixed order.
+        return tuple((name, float(w[name]), self._scorer(name)) for name in order if w.get(name, 0.0) > 0)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -336,11 +341,7 @@ class Scheduler:
         """Index of the chosen candidate, with the totals and parts when the policy scores."""
         policy = self.policy
         if policy in _SCORING:
-            cols = self.columns
-            if ctx.cold and self._feed_no_hit:
-                # Nothing of this request's own is cached anywhere: where a shared prefix happens to sit says nothing
-                # about where its session should live, so it is placed by the no-hit LRU and load alone.
-                cols = [c for c in cols if c[0] not in _PREFIX_SCORERS]
+            cols = self._cold_columns if ctx.cold else self.columns
             columns = [(name, weight, scorer.score(ctx, cands)) for name, weight, scorer in cols]
             totals, parts = weighted_totals(len(cands), columns)
             return pick_max(totals, self._rng), totals, parts
@@ -445,35 +446,24 @@ class Scheduler:
     # --- learning -----------------------------------------------------------------------------------------------
 
     def observe_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
-        """The request was sent as decided: remember it (speculative entries, the approximate LRU, the no-hit LRU).
-        With P/D both endpoints end up holding the prompt's KV, so both are recorded."""
-        holders = [decision.target.holder]
-        if decision.pd is not None:
-            holders.append(decision.pd.prefill.holder)
-        for holder in holders:
-            if self._feed_speculative:
-                self.speculative.insert(holder, req.block_hashes, now)
-            if self._feed_approx:
-                gpu, cpu = self._capacity.get(holder, (0, 0))
-                self.approx_cache.record(holder, req.text_chunk_hashes, gpu, cpu, req.block_size)
+        """The request was sent as decided: the learning scorers in use remember it (speculative entries, the
+        approximate LRU, the no-hit LRU: each plugin's `observe_routed`), and its session counts as known."""
+        capacity = self._capacity
+        for learner in self._learners:
+            learner.observe_routed(req, decision, now, capacity)
         if req.session_id is not None:
             self._sessions[req.session_id] = None
             self._sessions.move_to_end(req.session_id)
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
-        if self._feed_no_hit:
-            if decision.cold:
-                self.no_hit_lru.record_cold(decision.target.holder)
-            if decision.pd is not None and decision.pd.cold:
-                self.no_hit_lru.record_cold(decision.pd.prefill.holder)
 
     def forget_pod(self, pod: str) -> None:
         """A pod left the fleet (or restarted empty): drop what the router remembered about it."""
-        self.speculative.forget_pod(pod)
-        self.approx_cache.forget_pod(pod)
-        self.no_hit_lru.forget_pod(pod)
+        for scorer in self._scorers.values():
+            if isinstance(scorer, Learner):
+                scorer.forget_pod(pod)
         for holder in [h for h in self._capacity if h[0] == pod]:
             del self._capacity[holder]
 
 
-__all__ = ["POLICIES", "SCORER_NAMES", "RouterSettings", "Scheduler", "Tuning"]
+__all__ = ["POLICIES", "RouterSettings", "Scheduler", "Tuning"]

@@ -1,0 +1,56 @@
+"""The no-hit-LRU scorer: spreads cold requests (nothing of theirs cached anywhere) over the endpoints least recently
+given one, from the router's own routing history."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from llmd.router.scheduling.plugins import ScorerPlugin, ScoringContext, register_scorer
+from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteRequest
+
+
+class NoHitLRUScorer:
+    """Spreads cold requests (no candidate holds any prefix): endpoints never given a cold request score 1, the
+    others by how long ago they got one, least recent highest. Warm requests: 0.5 for all (neutral).
+
+    Stateful: `observe_routed` records the cold hops of each routed decision.
+    """
+
+    name = "no-hit-lru"
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._last: dict[Holder, int] = {}
+
+    def record_cold(self, holder: Holder) -> None:
+        self._clock += 1
+        self._last[holder] = self._clock
+
+    def observe_routed(
+        self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
+    ) -> None:
+        if decision.cold:
+            self.record_cold(decision.target.holder)
+        if decision.pd is not None and decision.pd.cold:
+            self.record_cold(decision.pd.prefill.holder)
+
+    def forget_pod(self, pod: str) -> None:
+        for holder in [h for h in self._last if h[0] == pod]:
+            del self._last[holder]
+
+    def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
+        n = len(cands)
+        if ctx.cold is False:
+            return [0.5] * n
+        last = self._last
+        stamps = [last.get(c.endpoint.holder, 0) for c in cands]
+        used = sorted({s for s in stamps if s})
+        if not used:
+            return [1.0] * n
+        # the least recently used of m used endpoints scores m/(m+1), the most recent 1/(m+1); never used: 1
+        m = len(used)
+        rank = {s: i for i, s in enumerate(used)}
+        return [1.0 if not s else (m - rank[s]) / (m + 1) for s in stamps]
+
+
+register_scorer(ScorerPlugin("no-hit-lru", lambda s: NoHitLRUScorer(), spreads_cold=True))

@@ -1,0 +1,173 @@
+"""The prefix scorers: precise (the engines' KV events plus speculative entries) and approximate (the text the router
+sent where). Grouped in one module because they share `prefix_scores` and are the pipeline's prefix sources (`hits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from llmd.router.scheduling.approximate import ApproxPrefixCache
+from llmd.router.scheduling.plugins import (
+    PrefixHit,
+    PrefixHits,
+    ScorerPlugin,
+    ScorerSetup,
+    ScoringContext,
+    register_scorer,
+)
+from llmd.router.scheduling.speculative import SpeculativeIndex
+from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteRequest
+
+
+def _tier_norm(gpu_w: float, cpu_w: float) -> float:
+    # Weights above 1 would push scores past 1; dividing by the largest keeps [0, 1] and the ranking.
+    return max(1.0, gpu_w, cpu_w)
+
+
+def prefix_scores(hits: PrefixHits, cands: Sequence[Candidate], gpu_w: float, cpu_w: float) -> list[float]:
+    """Each candidate's tier-weighted cached share of the request, in [0, 1]."""
+    n = hits.units
+    by = hits.by_holder
+    if not n or not by:
+        return [0.0] * len(cands)
+    scale = 1.0 / (n * _tier_norm(gpu_w, cpu_w))
+    out = []
+    for c in cands:
+        h = by.get(c.endpoint.holder)
+        out.append(min(1.0, (h.gpu * gpu_w + h.cpu * cpu_w) * scale) if h is not None else 0.0)
+    return out
+
+
+def routed_holders(decision: Decision) -> list[Holder]:
+    """The holders a routed request leaves its prompt's KV on: the decode target, and with P/D the prefill pod too."""
+    if decision.pd is None:
+        return [decision.target.holder]
+    return [decision.target.holder, decision.pd.prefill.holder]
+
+
+class _PrefixScorer:
+    """What the two prefix scorers share: tier weights, hits memoised per request (the pipeline and the scorer column
+    ask for them; the source is queried once), and the score from the hits."""
+
+    name: str
+
+    def __init__(self, gpu_w: float, cpu_w: float) -> None:
+        self.gpu_w = gpu_w
+        self.cpu_w = cpu_w
+
+    def hits(self, ctx: ScoringContext) -> PrefixHits:
+        memo: PrefixHits | None = ctx.memo.get(self.name)
+        if memo is None:
+            memo = ctx.memo[self.name] = self._hits(ctx)
+        return memo
+
+    def _hits(self, ctx: ScoringContext) -> PrefixHits:
+        raise NotImplementedError
+
+    def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
+        return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+
+
+class PrecisePrefixScorer(_PrefixScorer):
+    """llm-d's precise prefix scorer: the KV index's longest consecutive cached prefix per holder, GPU blocks
+    weighted `gpu_w` and CPU-only blocks `cpu_w`, over the request's block count.
+
+    Speculative entries count as GPU blocks: a holder's GPU prefix is the longer of its real and speculative ones
+    (blocks the real index has past a speculative prefix keep their tiers).
+    """
+
+    name = "prefix"
+
+    def __init__(self, speculative: SpeculativeIndex | None = None, gpu_w: float = 1.0, cpu_w: float = 0.8) -> None:
+        super().__init__(gpu_w, cpu_w)
+        self.speculative = speculative
+
+    def _hits(self, ctx: ScoringContext) -> PrefixHits:
+        req = ctx.req
+        hashes = req.block_hashes
+        n = len(hashes)
+        by: dict[Holder, PrefixHit] = {}
+        if n:
+            bs = req.block_size
+            cap = req.num_tokens if req.num_tokens > 0 else n * bs
+            matches = ctx.index.query(hashes) if ctx.index is not None else []
+            spec: dict[Holder, int] = {}
+            if self.speculative is not None:
+                spec = self.speculative.match(hashes, ctx.now, {m.holder: m.blocks_gpu for m in matches})
+            for m in matches:
+                held, gpu = m.blocks_any, m.blocks_gpu
+                s = spec.pop(m.holder, 0)  # 0, or a speculative GPU prefix longer than the real GPU blocks
+                if s >= held:
+                    held = gpu = s
+                elif s:
+                    # Which real GPU blocks lie past the speculative prefix is unknown: count the speculative ones
+                    # only (a lower bound on the GPU share).
+                    gpu = s
+                gpu_t = min(cap, gpu * bs)
+                by[m.holder] = PrefixHit(gpu, held - gpu, gpu_t, min(cap, held * bs) - gpu_t)
+            for holder, s in spec.items():
+                by[holder] = PrefixHit(s, 0, min(cap, s * bs), 0)
+        return PrefixHits(by, n)
+
+    def observe_routed(
+        self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
+    ) -> None:
+        """Speculative entries for where the request went, until the engines' KV events take over."""
+        spec = self.speculative
+        if spec is None or spec.ttl_s <= 0:
+            return
+        for holder in routed_holders(decision):
+            spec.insert(holder, req.block_hashes, now)
+
+    def forget_pod(self, pod: str) -> None:
+        if self.speculative is not None:
+            self.speculative.forget_pod(pod)
+
+
+class ApproximatePrefixScorer(_PrefixScorer):
+    """llm-d's approximate prefix scorer, CPU tier included: the longest run of the request's text chunks the router
+    remembers sending to each endpoint, over the request's chunk count; chunks only in the CPU part weigh `cpu_w`."""
+
+    name = "approximate-prefix"
+
+    def __init__(self, cache: ApproxPrefixCache, gpu_w: float = 1.0, cpu_w: float = 0.8) -> None:
+        super().__init__(gpu_w, cpu_w)
+        self.cache = cache
+
+    def _hits(self, ctx: ScoringContext) -> PrefixHits:
+        req = ctx.req
+        chain = req.text_chunk_hashes
+        per_chunk = self.cache.tokens_per_chunk()
+        cap = req.num_tokens if req.num_tokens > 0 else int(len(chain) * per_chunk)
+        by: dict[Holder, PrefixHit] = {}
+        for holder, (held, gpu) in self.cache.matches(chain).items():
+            if held:
+                gpu_t = min(cap, int(gpu * per_chunk))
+                by[holder] = PrefixHit(gpu, held - gpu, gpu_t, min(cap, int(held * per_chunk)) - gpu_t)
+        return PrefixHits(by, len(chain))
+
+    def observe_routed(
+        self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
+    ) -> None:
+        """Remember the text sent to each holder, its LRU sized to the KV capacity last seen there."""
+        for holder in routed_holders(decision):
+            gpu, cpu = capacity.get(holder, (0, 0))
+            self.cache.record(holder, req.text_chunk_hashes, gpu, cpu, req.block_size)
+
+    def forget_pod(self, pod: str) -> None:
+        self.cache.forget_pod(pod)
+
+
+def _precise(s: ScorerSetup) -> PrecisePrefixScorer:
+    spec = SpeculativeIndex(s.config.speculative_ttl_s, s.tuning.speculative_max_blocks)
+    return PrecisePrefixScorer(spec, s.gpu_w, s.cpu_w)
+
+
+def _approximate(s: ScorerSetup) -> ApproximatePrefixScorer:
+    t = s.tuning
+    cache = ApproxPrefixCache(t.chunk_chars, t.chars_per_token, t.approx_default_gpu_blocks, t.approx_cpu_tier)
+    return ApproximatePrefixScorer(cache, s.gpu_w, s.cpu_w)
+
+
+register_scorer(ScorerPlugin("prefix", _precise, frozenset({"tokens", "kv_index"}), prefix=True))
+register_scorer(ScorerPlugin("approximate-prefix", _approximate, frozenset({"text"}), prefix=True))
