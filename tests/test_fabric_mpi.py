@@ -28,13 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
 def pool_port(replicas: int, dp: int = 1) -> int:
     """A base port whose layout bands (HTTP, KV events, side channel, replay: +0/1000/2000/3000) are all free."""
     for _ in range(100):

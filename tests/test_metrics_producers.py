@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from netutil import run
 from routerutil import Servers, engine, pod_of, rconfig
 
@@ -25,13 +24,6 @@ from llmd.metrics import merge_runs, read_meta, read_requests, read_timeseries
 from llmd.router.proxy import Router
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
 
 
 def _stats(**kw: Any) -> EngineStats:

@@ -39,14 +39,6 @@ from llmd.router.endpoints import parse_engine_gauges
 from llmd.router.events import RankSubscription
 from llmd.router.proxy import Router
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
 # ---- discovery -------------------------------------------------------------------------------------------------------
 
 

@@ -27,14 +27,6 @@ from llmd.engines.sim.runner import FaultConfig
 from llmd.router import pd as hops
 from llmd.router.proxy import Router
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
 # ---- P/D and P2P -----------------------------------------------------------------------------------------------------
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from netutil import run
 from routerutil import Servers, engine, pod_of, rconfig
 
@@ -18,13 +17,6 @@ from llmd.router.proxy import Router
 
 BLOCKS = 260  # x 16 tokens: 4,160 tokens of KV (max_model_len 4,096 must fit)
 PROMPT_WORDS = 600
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
 
 
 async def _burst(http: aiohttp.ClientSession, url: str, n: int) -> list[dict[str, str]]:

@@ -29,14 +29,6 @@ from routerutil import (
 from llmd.router.proxy import Router, RouterConfig
 from llmd.spec.model import RouterSpec
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
 # ---- routing ---------------------------------------------------------------------------------------------------------
 
 

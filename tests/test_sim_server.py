@@ -28,13 +28,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # a few full block
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
-@pytest.fixture(scope="module")
 def tok(model_dir: Path) -> SimTokenizer:
     return SimTokenizer(model_dir)
 

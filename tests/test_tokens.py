@@ -144,13 +144,6 @@ def _unsplit_style(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmd.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), weights=False)
-
-
-@pytest.fixture(scope="module")
 def tok(model_dir: Path) -> Tokenizer:
     return Tokenizer(model_dir)
 
