@@ -18,10 +18,11 @@ from llmd.engines.sim.runner import FaultConfig
 from llmd.engines.sim.server import SimServer
 from llmd.engines.sim.server_config import SimServerConfig
 from llmd.metrics import read_requests, read_timeseries
+from llmd.metrics.schema import pd_path_of as pd_path
 from llmd.spec.model import WorkloadSpec
 from llmd.tokens import Tokenizer
 from llmd.workload import profile_from_spec
-from llmd.workload.loadgen import LoadConfig, LoadSummary, pd_path, run_load
+from llmd.workload.loadgen import LoadConfig, LoadSummary, run_load
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
 import math
 import signal
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -43,20 +41,14 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from llmd.metrics.schema import pd_path_of
 from llmd.metrics.writer import MetricsWriter
 from llmd.net import http_client
+from llmd.workload.chat_request import error_text, read_headers, read_stream, read_usage
 from llmd.workload.profiles import Workload
 from llmd.workload.prompts import PromptTurn, PromptWriter
+from llmd.workload.run_stats import ABORTED, LoadSummary, RunStats
 from llmd.workload.sessions import SessionPlan, Turn, plan_session
 from llmd.workload.trace import TraceSession
-
-ABORTED = "aborted"
-# Byte patterns of streamed events (vLLM serializes without spaces); anything else is parsed as JSON.
-_USAGE = b'"usage":{'
-_ERROR = b'"error"'
-_CONTENT, _NO_CONTENT = b'"content":"', b'"content":""'
-_REASONING, _NO_REASONING = b'"reasoning_content":"', b'"reasoning_content":""'
 
 
 @dataclass
@@ -82,134 +74,13 @@ class LoadConfig:
     trace: list[TraceSession] | None = None  # replay these sessions (llmd.workload.trace) instead of the profile
 
 
-@dataclass
-class LoadSummary:
-    requests: int = 0  # rows written (errors and aborted included)
-    errors: int = 0  # rows with an error (aborted included)
-    aborted: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    duration_s: float = 0.0
-    ttft_p50_s: float = math.nan
-    ttft_p90_s: float = math.nan
-    ttft_p99_s: float = math.nan
-    e2e_p50_s: float = math.nan
-    e2e_p90_s: float = math.nan
-    itl_p50_s: float = math.nan
-    requests_per_s: float = 0.0
-    output_tokens_per_s: float = 0.0
-    cache_hit_share: float = math.nan  # cached / input tokens over successful requests
-    sessions: int = 0  # main-agent sessions started
-    subagent_sessions: int = 0
-    client_delay_mean_s: float = 0.0  # mean lateness of a turn's send vs its planned time
-    client_delay_share: float = 0.0  # total lateness / total planned gap (0 when no gaps)
-    stopped: bool = False  # ended by `stop` / Ctrl-C
-    output: str = ""
-
-    def rows(self) -> list[tuple[str, str]]:
-        """(label, value) pairs for a summary table."""
-
-        def ms(v: float) -> str:
-            return "-" if math.isnan(v) else f"{v * 1000:.1f} ms"
-
-        return [
-            ("requests", f"{self.requests:,} ({self.errors:,} errors, {self.aborted:,} aborted)"),
-            ("sessions", f"{self.sessions:,} main, {self.subagent_sessions:,} sub-agent"),
-            ("duration", f"{self.duration_s:.1f} s"),
-            ("input tokens", f"{self.input_tokens:,}"),
-            ("output tokens", f"{self.output_tokens:,} ({self.output_tokens_per_s:,.1f}/s)"),
-            ("cached tokens", f"{self.cached_tokens:,}" + _share(self.cache_hit_share)),
-            ("requests/s", f"{self.requests_per_s:,.2f}"),
-            ("TTFT p50 / p90 / p99", f"{ms(self.ttft_p50_s)} / {ms(self.ttft_p90_s)} / {ms(self.ttft_p99_s)}"),
-            ("E2E p50 / p90", f"{ms(self.e2e_p50_s)} / {ms(self.e2e_p90_s)}"),
-            ("ITL p50", ms(self.itl_p50_s)),
-            ("client delay", f"{ms(self.client_delay_mean_s)} mean, {self.client_delay_share:.2%} of gaps"),
-            ("metrics", self.output),
-        ]
-
-
-def _share(v: float) -> str:
-    return "" if math.isnan(v) else f" ({v:.1%} of input)"
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
-
-
-pd_path = pd_path_of  # the request's P/D path from the router's response headers
-
-
-class _Stats:
-    """Running totals, per-second bins and the latency samples of the summary."""
-
-    def __init__(self) -> None:
-        self.requests = self.errors = self.aborted = 0
-        self.input = self.output = self.cached = 0
-        self.ok_input = self.ok_cached = 0
-        self.ttft: list[float] = []
-        self.e2e: list[float] = []
-        self.itl: list[float] = []
-        self.bins: dict[int, list[float]] = {}  # second -> [tokens in, tokens out, requests, errors]
-        self.started = 0
-        self.sessions = self.subagent_sessions = 0
-        self.delay_sum = 0.0
-        self.gap_sum = 0.0
-        self.delay_n = 0
-
-    def add(self, row: dict[str, Any], t_done: float) -> None:
-        self.requests += 1
-        err = bool(row.get("error"))
-        inp = max(0, row.get("input_tokens", -1))
-        out = max(0, row.get("output_tokens", -1))
-        cached = max(0, row.get("cached_tokens", -1))
-        self.input += inp
-        self.output += out
-        self.cached += cached
-        b = self.bins.setdefault(int(t_done), [0.0, 0.0, 0.0, 0.0])
-        b[0] += inp
-        b[1] += out
-        b[2] += 1
-        if err:
-            self.errors += 1
-            b[3] += 1
-            if row.get("error") == ABORTED:
-                self.aborted += 1
-            return
-        self.ok_input += inp
-        self.ok_cached += cached
-        ttft = row.get("ttft_s", math.nan)
-        if not math.isnan(ttft):
-            self.ttft.append(ttft)
-        self.e2e.append(row.get("e2e_s", math.nan))
-        itl = row.get("itl_p50_s", math.nan)
-        if not math.isnan(itl):
-            self.itl.append(itl)
-
-    def take_bins(self, before: int | None) -> list[dict[str, Any]]:
-        keys = sorted(k for k in self.bins if before is None or k < before)
-        out = []
-        for k in keys:
-            tin, tout, reqs, errs = self.bins.pop(k)
-            out.append(
-                {
-                    "t": float(k),
-                    "tokens_in_per_s": tin,
-                    "tokens_out_per_s": tout,
-                    "requests_per_s": reqs,
-                    "errors": int(errs),
-                }
-            )
-        return out
-
-
 class _Run:
     def __init__(self, cfg: LoadConfig, writer: MetricsWriter, prompts: PromptWriter, stop: asyncio.Event) -> None:
         self.cfg = cfg
         self.writer = writer
         self.prompts = prompts
         self.stop = stop
-        self.stats = _Stats()
+        self.stats = RunStats()
         self.t0 = time.perf_counter()
         prof = cfg.workload.profile
         # A trace runs to its end unless told otherwise; a profile for its duration.
@@ -441,20 +312,20 @@ class _Run:
         ok = False
         try:
             async with await http_client.post(self.http, self.endpoint, data=json.dumps(body), headers=headers) as resp:
-                self._headers(row, resp)
+                read_headers(row, resp)
                 row["status"] = resp.status
                 if resp.status >= 400:
                     text = await resp.text(errors="replace")
-                    row["error"] = f"HTTP {resp.status}: {_error_text(text)}"
+                    row["error"] = f"HTTP {resp.status}: {error_text(text)}"
                 elif cfg.stream:
-                    await self._read_stream(resp, row, t_send)
+                    await read_stream(resp, row, self.t0, t_send)
                 else:
                     data = await resp.json(content_type=None)
                     t = self.now() - t_send
                     row["ttft_s"] = row["e2e_s"] = t
-                    self._usage(row, data.get("usage"))
+                    read_usage(row, data.get("usage"))
                     if "error" in data:
-                        row["error"] = _error_text(data["error"])
+                        row["error"] = error_text(data["error"])
             ok = not row.get("error")
         except asyncio.CancelledError:
             row["error"] = ABORTED
@@ -476,72 +347,6 @@ class _Run:
         self.stats.add(row, t)
         if self.on_row is not None:
             self.on_row()
-
-    @staticmethod
-    def _headers(row: dict[str, Any], resp: aiohttp.ClientResponse) -> None:
-        h = resp.headers
-        q = h.get("x-llmd-queue-ms")
-        if q:
-            with contextlib.suppress(ValueError):
-                row["router_queue_s"] = float(q) / 1000.0
-        row["pod"] = h.get("x-llmd-pod", "")
-        row["prefill_pod"] = h.get("x-llmd-prefill-pod", "")
-        row["pd_path"] = pd_path(h)
-
-    @staticmethod
-    def _usage(row: dict[str, Any], usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        row["input_tokens"] = int(usage.get("prompt_tokens") or 0)
-        row["output_tokens"] = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if cached is not None:
-            row["cached_tokens"] = int(cached)
-
-    async def _read_stream(self, resp: aiohttp.ClientResponse, row: dict[str, Any], t_send: float) -> None:
-        arrivals: list[float] = []
-        usage: Any = None
-        done = False
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            if _USAGE not in data and _ERROR not in data:
-                # A plain delta event (vLLM's compact JSON): a token arrived when it carries non-empty content. Read
-                # from the bytes: parsing every event was a quarter of the client's CPU per request.
-                if (_CONTENT in data and _NO_CONTENT not in data) or (_REASONING in data and _NO_REASONING not in data):
-                    arrivals.append(time.perf_counter())
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                row["error"] = f"stream error: {_error_text(event['error'])}"
-                break
-            choices = event.get("choices") or ()
-            for c in choices:
-                delta = c.get("delta") or {}
-                if delta.get("content") or delta.get("reasoning_content"):
-                    arrivals.append(time.perf_counter())
-                    break
-            if event.get("usage"):
-                usage = event["usage"]
-        t_end = self.now()
-        row["e2e_s"] = t_end - t_send
-        self._usage(row, usage)
-        if arrivals:
-            row["ttft_s"] = arrivals[0] - self.t0 - t_send
-            if len(arrivals) > 1:
-                # Plain Python: numpy's per-call overhead exceeds the work for a few dozen gaps, on the event loop.
-                gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-                row["itl_mean_s"] = sum(gaps) / len(gaps)
-                row["itl_p50_s"] = statistics.median(gaps)
-                row["itl_max_s"] = max(gaps)
-        if not done and not row.get("error"):
-            row["error"] = "stream ended without [DONE]"
 
     # -- time series and progress --------------------------------------------------------------------------------
 
@@ -575,34 +380,6 @@ class _Run:
             ),
         )
 
-    def summary(self, stopped: bool) -> LoadSummary:
-        s = self.stats
-        dur = self.now()
-        return LoadSummary(
-            requests=s.requests,
-            errors=s.errors,
-            aborted=s.aborted,
-            input_tokens=s.input,
-            output_tokens=s.output,
-            cached_tokens=s.cached,
-            duration_s=dur,
-            ttft_p50_s=_pct(s.ttft, 50),
-            ttft_p90_s=_pct(s.ttft, 90),
-            ttft_p99_s=_pct(s.ttft, 99),
-            e2e_p50_s=_pct(s.e2e, 50),
-            e2e_p90_s=_pct(s.e2e, 90),
-            itl_p50_s=_pct(s.itl, 50),
-            requests_per_s=s.requests / dur if dur > 0 else 0.0,
-            output_tokens_per_s=s.output / dur if dur > 0 else 0.0,
-            cache_hit_share=s.ok_cached / s.ok_input if s.ok_input else math.nan,
-            sessions=s.sessions,
-            subagent_sessions=s.subagent_sessions,
-            client_delay_mean_s=s.delay_sum / s.delay_n if s.delay_n else 0.0,
-            client_delay_share=s.delay_sum / s.gap_sum if s.gap_sum > 0 else 0.0,
-            stopped=stopped,
-            output=str(self.cfg.output),
-        )
-
 
 def _trace_plan(ts: TraceSession, parent: PromptTurn | None) -> SessionPlan:
     """A trace session as a plan for the prompt writer; a sub-agent's first turn extends its parent's prompt when it
@@ -628,18 +405,6 @@ def _check_config(cfg: LoadConfig) -> None:
     if cfg.trace is None and unbounded and duration is None and cfg.max_requests is None:
         what = "open-loop arrivals run" if cfg.arrival_rate is not None else f"profile {prof.name!r} runs"
         raise ValueError(f"{what} until a duration ends: give duration_s or max_requests")
-
-
-def _error_text(err: Any) -> str:
-    if isinstance(err, dict):
-        msg = err.get("message") or err.get("error") or err
-        return str(msg)[:240]
-    if isinstance(err, str):
-        try:
-            return _error_text(json.loads(err).get("error", err))
-        except (ValueError, AttributeError):
-            return err.strip()[:240]
-    return str(err)[:240]
 
 
 def _connections(cfg: LoadConfig) -> int:
@@ -753,7 +518,7 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
                 run.update_progress(progress, task_id)
                 progress.stop()
         run.flush_timeseries(final=True)
-        return run.summary(stopped)
+        return run.stats.summary(run.now(), stopped, str(cfg.output))
     finally:
         if run is not None:
             with contextlib.suppress(Exception):
@@ -761,4 +526,4 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
         writer.close()
 
 
-__all__ = ["LoadConfig", "LoadSummary", "pd_path", "run_load"]
+__all__ = ["LoadConfig", "LoadSummary", "run_load"]
