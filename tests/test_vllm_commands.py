@@ -207,7 +207,7 @@ def vllm_parser():
 
 
 def _all_launches(glm: DeploymentSpec):
-    aggregated = tiny_spec(kv=KVSpec(cpu_bytes=3 * 2**30, gpu_blocks=64), mtp=MTPSpec(draft_tokens=2))
+    aggregated = tiny_spec(kv=KVSpec(cpu_bytes=3 * 2**30, gpu_blocks=96), mtp=MTPSpec(draft_tokens=2))
     aggregated = aggregated.model_copy(update={"prefill": PoolSpec(nodes=0)})
     return [
         *vllm_launches(tiny_spec()),
