@@ -18,10 +18,10 @@ import aiohttp
 
 from llmd.discovery import PodInfo, rank_address, read_discovery
 from llmd.errors import UserError
-from llmd.router.pods import Pod, RankState
+from llmd.router.pods import Pod
 
 log = logging.getLogger(__name__)
-__all__ = ["EndpointRegistry", "Pod", "RankState", "parse_engine_gauges", "pods_from_spec"]
+__all__ = ["EndpointRegistry", "parse_engine_gauges", "pods_from_spec"]
 
 # vLLM's gauges the router reads; labelled by `engine` = the DP rank.
 _GAUGES = {

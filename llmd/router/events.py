@@ -257,7 +257,7 @@ class KVEventHub:
         self._dying: set[asyncio.Task[None]] = set()
 
     def subscribe(self, pod: Any) -> list[RankSubscription]:
-        """Start a new epoch of subscriptions for every rank of `pod` (an endpoints.Pod) that publishes events."""
+        """Start a new epoch of subscriptions for every rank of `pod` (a pods.Pod) that publishes events."""
         self.unsubscribe_now(pod.name)
         self._epoch += 1
         subs = []

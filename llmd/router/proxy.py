@@ -38,10 +38,11 @@ from llmd.router import pd as hops
 from llmd.router.config import RouterConfig, default_settings
 from llmd.router.core import HopPlan, Job, Outcome, QueueFull, RouterCore
 from llmd.router.encoder import PromptEncoder, PromptReader, RouteTokens, load_encoder
-from llmd.router.endpoints import EndpointRegistry, Pod
+from llmd.router.endpoints import EndpointRegistry
 from llmd.router.events import KVEventHub
 from llmd.router.ledger import Flight
 from llmd.router.metrics import CONTENT_TYPE, RouterMetrics, state_families
+from llmd.router.pods import Pod
 from llmd.router.recorder import RouterRecorder
 from llmd.router.request import (
     SESSION_HEADER,
