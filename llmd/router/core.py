@@ -118,7 +118,7 @@ class RouterCore:
         self._alive = alive  # a waiting job the driver has given up on is dropped, not admitted
         # Shared prompt blocks count once only where the engine has them cached, which the KV index knows for block
         # hashes; the approximate policy's text chunks are no such proof.
-        self._cached_from_index = scheduler.policy != "approximate"
+        self._cached_from_index = "kv_index" in scheduler.inputs
         # Approximate routing's characters per token: the tuning's guess, then learned from the engines' usage.
         self.chars_per_token = float(scheduler.tuning.chars_per_token)
         self._pods: dict[str, Pod] = {}  # routable (healthy) pods

@@ -109,11 +109,12 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.metrics.add_collector(lambda: state_families(self.registry, self.core, self.hub, self.index))
-        self._needs_tokens = c.policy != "approximate"
+        # The scheduler knows from its plugins' declarations whether it reads block hashes (so the router tokenizes)
+        # or the prompt's text chunks.
+        self._needs_tokens = "tokens" in self.scheduler.inputs
         if encoder is None and c.tokenizer is not None and self._needs_tokens:
             encoder = load_encoder(c)
         self.encoder = encoder
-        # The scheduler knows from its plugins' declarations whether any of them reads the prompt's text chunks.
         self._needs_text = "text" in self.scheduler.inputs
         self._prompts = PromptReader(encoder, self._needs_text, self._needs_tokens, c.offload_tokenize_bytes)
         self.upstream = Upstream(self.metrics, self.core.calibrate, c.prefill_timeout_s, c.connect_timeout_s)
