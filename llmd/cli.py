@@ -28,6 +28,7 @@ def _registrars() -> list[Registrar]:
     from llmd.models import cli as model_cli
     from llmd.report import cli as report_cli
     from llmd.router import cli as router_cli
+    from llmd.sim import cli as simulate_cli
     from llmd.spec import cli as spec_cli
     from llmd.workload import bench_cli
     from sweeps import cli as sweep_cli
@@ -38,6 +39,7 @@ def _registrars() -> list[Registrar]:
         sim_cli.register,
         router_cli.register,
         demo.register,
+        simulate_cli.register,
         bench_cli.register,
         report_cli.register,
         launch_cli.register,

@@ -86,6 +86,13 @@ DEMO_DECODE = {"nodes": 2, "replicas": 2}
 DEMO_KV = {"gpu_blocks": 264}
 
 
+def embedded_spec(duration_s: float = DEFAULT_DURATION_S, engine: str = "sim") -> Any:
+    """The default demo's deployment and workload (`llmd demo` without --spec): what the cluster simulator's fidelity
+    test and benchmark run live and simulated."""
+    args = argparse.Namespace(spec=None, short=False, compare=False, duration=duration_s, engine=engine)
+    return _load_spec(args)
+
+
 def _load_spec(args: argparse.Namespace) -> Any:
     from llmd.spec import DeploymentSpec, SpecError, load_spec
 

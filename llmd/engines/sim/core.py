@@ -191,6 +191,8 @@ class EngineCore:
         self.request_success = {r.value: 0 for r in FinishReason}
         self.num_pulls_ok = 0
         self.num_pulls_failed = 0
+        self.cpu_restores = 0  # admissions that copied a CPU-tier hit back into HBM, and the seconds that took
+        self.cpu_restore_s = 0.0
 
     # --- requests ---------------------------------------------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
@@ -246,7 +248,10 @@ class EngineCore:
             if self.config.enable_mfu_metrics:
                 work = _step_work(lat, prefill, decode)
         for t in so.cpu_restore_tokens:
-            duration += lat.cpu_restore_time(t)
+            restore = lat.cpu_restore_time(t)
+            duration += restore
+            self.cpu_restores += 1
+            self.cpu_restore_s += restore
         end = now + duration
         for r in so.new_pulls:
             self._pulls.append(self._pull_task(r))

@@ -77,11 +77,13 @@ class SimRequest:
     """A generation request. The caller fills the first block of fields; the engine owns the rest.
 
     `output_script` replays given output token ids instead of random ones (trace replay, golden tests); past its end
-    the random tokens resume.
+    the random tokens resume. `prompt_block_hashes`, when given, are the prompt's full-block hashes as this engine's
+    hasher computes them (the cluster simulator extends a session's hashes turn by turn instead of rehashing a 195K
+    token context per request); `prompt_token_ids` may then be any sequence that slices to lists (llmd.sim.tokens).
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     max_tokens: int
     arrival_time: float = 0.0
     cache_salt: str | None = None
@@ -89,6 +91,7 @@ class SimRequest:
     kv_transfer_params: dict[str, Any] | None = None
     output_script: Sequence[int] | None = None
     skip_reading_prefix_cache: bool = False  # vLLM: requests that want prompt logprobs compute every token
+    prompt_block_hashes: list[bytes] | None = None
 
     # --- engine-owned state -------------------------------------------------------------------------------------
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -132,16 +135,20 @@ class SimRequest:
         p = self.prompt_token_ids
         n = len(p)
         if end <= n:
-            return p[start:end]
+            return p[start:end]  # type: ignore[return-value]  # a list, or llmd.sim.tokens' runs, which slice to one
         if start >= n:
             return self.output_token_ids[start - n : end - n]
-        return p[start:] + self.output_token_ids[: end - n]
+        return p[start:] + self.output_token_ids[: end - n]  # type: ignore[operator]
 
     def init_engine_state(self, hasher: BlockHasher, rng: random.Random) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         self.hasher = hasher
         self.rng = rng
-        self.block_hashes = hasher.hash_tokens(self.prompt_token_ids, cache_salt=self.cache_salt)
+        given = self.prompt_block_hashes
+        if given is not None and len(given) == len(self.prompt_token_ids) // hasher.block_size:
+            self.block_hashes = list(given)
+        else:
+            self.block_hashes = hasher.hash_tokens(self.prompt_token_ids, cache_salt=self.cache_salt)
 
     def append_output(self, token_ids: list[int]) -> None:
         """Appends sampled tokens and hashes every block they complete (per block, not per token)."""

@@ -1,0 +1,177 @@
+"""The agents in virtual time: llmd's workload generator (the same session plans the load generator sends) played as
+closed-loop agents, each a chain of events instead of a coroutine.
+
+An agent runs its sessions back to back; a session sends its turns in order, each `gap_before_s` of tool time after
+the previous response; a turn that forks starts its sub-agents when its response completes and (as the load
+generator's `wait_subagents`) the session goes on when they have all ended. A turn planned after the duration is not
+sent; a failed turn ends its session (the conversation cannot go on), as in the load generator.
+
+Prompts are what the load generator's prompt writer sends, in tokens: the shared, salted system prompt; then a
+session's context grows by the previous output and the turn's new tokens; resets and compactions start a fresh
+context after the system prompt; a sub-agent starts from its parent's prompt at the fork plus its task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from llmd.sim.context import Context, ContextBuilder
+from llmd.sim.loop import EventLoop
+from llmd.sim.router import Call
+from llmd.sim.tokens import TokenRuns
+from llmd.workload.profiles import Workload
+from llmd.workload.sessions import SessionPlan, Turn
+
+
+@dataclass(slots=True)
+class AgentStats:
+    sessions: int = 0
+    subagent_sessions: int = 0
+    sent: int = 0
+    done: int = 0
+    failed: int = 0
+    calls: list[Call] = field(default_factory=list)  # finished, for the client's rows (the recorder takes them)
+
+
+class Agents:
+    def __init__(
+        self,
+        loop: EventLoop,
+        workload: Workload,
+        builder: ContextBuilder,
+        send: Callable[[Call], None],
+        duration_s: float,
+    ) -> None:
+        self.loop = loop
+        self.workload = workload
+        self.builder = builder
+        self.send = send
+        self.duration_s = duration_s
+        self.stats = AgentStats()
+        self.inflight = 0
+        salt = workload.salt
+        self._seed_base = int.from_bytes(
+            hashlib.sha256(f"llmd-sim:{workload.seed}:{salt}".encode()).digest()[:8], "big"
+        )
+        self._runs = 0
+        sys_tokens = workload.profile.model.system
+        self.system = builder.extend(builder.empty, self._fresh(sys_tokens))
+
+    def _fresh(self, n: int) -> TokenRuns:
+        """`n` new tokens no other run shares."""
+        self._runs += 1
+        return TokenRuns((), self.builder.vocab).extend(
+            (self._seed_base + self._runs * 0x9E3779B97F4A7C15) & (2**64 - 1), n
+        )
+
+    def start(self) -> None:
+        for a in range(self.workload.profile.agents):
+            it = self.workload.agent_sessions(a)
+            self.loop.at(0.0, self._next_session, it)
+
+    def _open(self) -> bool:
+        return self.loop.now < self.duration_s
+
+    def _next_session(self, sessions: Iterator[SessionPlan]) -> None:
+        if not self._open():
+            return
+        plan = next(sessions, None)
+        if plan is None:
+            return
+        self.stats.sessions += 1
+        _Session(self, plan, None, lambda: self._next_session(sessions)).next_turn()
+
+
+class _Session:
+    __slots__ = ("agents", "by_turn", "ctx", "i", "on_end", "parent", "plan", "ready", "waiting")
+
+    def __init__(self, agents: Agents, plan: SessionPlan, parent: Context | None, on_end: Callable[[], None]) -> None:
+        self.agents = agents
+        self.plan = plan
+        self.parent = parent  # a sub-agent: its parent's prompt at the fork
+        self.on_end = on_end
+        self.i = 0
+        self.ctx: Context | None = None  # the context after the last response (prompt + output)
+        self.ready = agents.loop.now
+        self.waiting = 0  # sub-agents still running
+        self.by_turn: dict[int, list[SessionPlan]] = {}
+        for child in plan.children:
+            self.by_turn.setdefault(child.parent_turn_index or 0, []).append(child)
+
+    def next_turn(self) -> None:
+        a = self.agents
+        if self.i >= len(self.plan.turns):
+            self.on_end()
+            return
+        turn = self.plan.turns[self.i]
+        planned = self.ready + turn.gap_before_s
+        if planned >= a.duration_s:
+            self.on_end()
+            return
+        a.loop.at(planned, self._send, turn)
+
+    def _prompt(self, turn: Turn) -> Context:
+        a = self.agents
+        b = a.builder
+        fresh = turn.reset or turn.compaction or (self.ctx is None and self.parent is None)
+        if fresh:
+            base = a.system
+        elif self.ctx is None:
+            assert self.parent is not None
+            base = self.parent
+        else:
+            base = self.ctx
+        if len(base) > turn.input_tokens:
+            return b.prefix(base, turn.input_tokens)
+        return b.extend(base, a._fresh(turn.input_tokens - len(base)))
+
+    def _send(self, turn: Turn) -> None:
+        a = self.agents
+        if not a._open():
+            self.on_end()
+            return
+        prompt = self._prompt(turn)
+        call = Call(
+            f"{turn.session_id}#{turn.turn_index}",
+            turn.session_id,
+            turn.turn_index,
+            turn.is_subagent,
+            prompt,
+            turn.output_tokens,
+            a._fresh(turn.output_tokens),
+            a.loop.now,
+            lambda c: self._done(turn, c),
+        )
+        a.stats.sent += 1
+        a.inflight += 1
+        a.send(call)
+
+    def _done(self, turn: Turn, call: Call) -> None:
+        a = self.agents
+        a.inflight -= 1
+        a.stats.done += 1
+        a.stats.calls.append(call)
+        if call.status != 200:
+            a.stats.failed += 1
+            self.on_end()
+            return
+        self.ctx = a.builder.extend(call.ctx, call.output)
+        self.ready = a.loop.now
+        self.i += 1
+        kids = self.by_turn.get(turn.turn_index, []) if turn.forks else []
+        kids = [k for k in kids if a._open()]
+        if not kids:
+            self.next_turn()
+            return
+        self.waiting = len(kids)
+        for kid in kids:
+            a.stats.subagent_sessions += 1
+            _Session(a, kid, call.ctx, self._child_ended).next_turn()
+
+    def _child_ended(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.ready = self.agents.loop.now
+            self.next_turn()

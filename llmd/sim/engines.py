@@ -1,0 +1,261 @@
+"""The fleet's engines in virtual time: every DP rank an `EngineCore` (the simulated engine's own scheduler and KV
+cache) stepped by the latency model, its outputs delivered when its step ends, its KV events to the router's index
+after a delay, its transfers (P/D hand-offs, P2P pulls) over the link the latency model prices.
+
+The engines are the live simulated engine's core unchanged; what the server does with sockets (HTTP, ZMQ, the NIXL
+side channel) happens here as events on the loop.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmd.discovery import PodInfo
+from llmd.engines.kinds import engine_kind
+from llmd.engines.sim.core import EngineCore, PullTask, RequestOutput, StepResult
+from llmd.engines.sim.request import SimRequest
+from llmd.engines.sim.server_config import SimServerConfig
+from llmd.perf.latency import LatencyModel
+from llmd.router.pods import Pod
+from llmd.sim.loop import EventLoop
+from llmd.sim.params import SimParams
+from llmd.spec.layout import engine_endpoints
+
+OutputSink = Callable[[RequestOutput, float], None]
+
+
+@dataclass(slots=True)
+class TransferStats:
+    pulls: int = 0
+    failed: int = 0
+    tokens: int = 0
+    bytes: float = 0.0
+    seconds: float = 0.0
+    p2p: int = 0  # pulls by hash from a peer's prefix cache (the rest are P/D hand-offs)
+
+
+class SimRank:
+    """One DP rank: its core, where it runs, and whose outputs go where."""
+
+    def __init__(self, fleet: Fleet, core: EngineCore, latency: LatencyModel, pod: Pod, rank: int, node: str) -> None:
+        self.fleet = fleet
+        self.loop = fleet.loop
+        self.core = core
+        self.latency = latency
+        self.pod = pod
+        self.rank = rank
+        self.node = node
+        self.holder = (pod.name, rank)
+        self.engine_id = core.config.engine_id
+        self.sinks: dict[str, OutputSink] = {}
+        self.busy = False
+        self.steps = 0
+        self._expiry_armed: float | None = None
+        st = pod.ranks[rank]
+        st.kv_capacity_blocks = core.config.num_gpu_blocks
+        st.cpu_capacity_blocks = core.config.num_cpu_blocks
+        st.engine_id = self.engine_id
+
+    @property
+    def name(self) -> str:
+        return f"{self.pod.name}/dp{self.rank}" if self.pod.info.dp_size > 1 else self.pod.name
+
+    def model_time(self) -> float:
+        """The core's clock: model seconds (the loop's seconds are wall seconds of the run being predicted)."""
+        return self.loop.now / self.fleet.time_scale
+
+    def submit(self, req: SimRequest, sink: OutputSink) -> None:
+        """The request reaches the engine now (ValueError from the core: the engine refuses it, as with a 400)."""
+        req.arrival_time = self.model_time()
+        self.core.add_request(req)
+        self.sinks[req.request_id] = sink
+        self.kick()
+
+    def abort(self, request_id: str) -> None:
+        self.sinks.pop(request_id, None)
+        if self.core.abort_request(request_id):
+            self.kick()
+
+    def kick(self) -> None:
+        """Step now if idle and there is work (a new request, freed blocks, a finished pull)."""
+        if not self.busy and self.core.has_work():
+            self.busy = True
+            self.loop.at(self.loop.now, self._step)
+
+    def _step(self) -> None:
+        core = self.core
+        result = core.step(self.model_time())
+        self.steps += 1
+        if result.duration_s <= 0 and not result.outputs and not result.scheduled_tokens:
+            # Nothing could be scheduled (waiting for blocks a lease or a pull holds): idle until something frees.
+            self.busy = False
+            self._deliver(result, self.loop.now)
+            self._arm_expiry()
+            return
+        self.loop.after(result.duration_s * self.fleet.time_scale, self._end_step, result)
+
+    def _end_step(self, result: StepResult) -> None:
+        self.busy = False
+        self._deliver(result, self.loop.now)
+        self.kick()
+        if not self.busy:
+            self._arm_expiry()
+
+    def _deliver(self, result: StepResult, end: float) -> None:
+        sinks = self.sinks
+        for out in result.outputs:
+            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if sink is not None:
+                sink(out, end)
+        if result.events:
+            self.fleet.publish(self, result.events)
+        for task in self.core.pending_pulls():
+            self.fleet.start_pull(self, task)
+
+    def _arm_expiry(self) -> None:
+        """An idle rank still frees leases nobody pulled when they run out (vLLM's kv_lease_duration)."""
+        nxt = self.core.next_lease_expiry()
+        if nxt is not None and (self._expiry_armed is None or nxt < self._expiry_armed):
+            self._expiry_armed = nxt
+            self.loop.at((nxt + 1e-6) * self.fleet.time_scale, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry_armed = None
+        if self.core.expire_leases(self.model_time()):
+            self.publish_pending()
+            self.kick()
+        if not self.busy:
+            self._arm_expiry()
+
+    def publish_pending(self) -> None:
+        events = self.core.take_events()
+        if events:
+            self.fleet.publish(self, events)
+
+    def scrape(self) -> None:
+        """What the router's /metrics poll reads: the rank's gauges now."""
+        s = self.core.scheduler
+        st = self.pod.ranks[self.rank]
+        st.running = len(s.running)
+        st.waiting = s.num_waiting
+        st.kv_usage = self.core.kv.usage
+
+
+class Fleet:
+    """Every engine of a spec: pods as the router sees them, ranks as the simulator steps them."""
+
+    def __init__(
+        self, loop: EventLoop, spec: Any, params: SimParams, on_events: Callable[[SimRank, list], None]
+    ) -> None:
+        self.loop = loop
+        self.params = params
+        self._on_events = on_events
+        self.pods: list[Pod] = []
+        self.ranks: list[SimRank] = []
+        self.by_holder: dict[tuple[str, int], SimRank] = {}
+        self.by_engine_id: dict[str, SimRank] = {}
+        self.transfers = TransferStats()
+        # Simulated engines run at engine.time_scale wall seconds per model second; the loop keeps wall seconds, so
+        # what it predicts is the live run of the same spec (vLLM engines: real time).
+        scale = spec.engine.time_scale if engine_kind(spec.engine.kind).simulated else 1.0
+        self.time_scale = scale if scale > 0 else 1.0
+        for ep in engine_endpoints(spec):
+            cfg = SimServerConfig.from_spec(spec, ep.role, name=ep.name, engine_id=ep.engine_id, side_channel_port=0)
+            pool = spec.pools[ep.role]
+            info = PodInfo(
+                name=ep.name,
+                role=ep.role,
+                url=f"http://{ep.name}:{ep.http_port}",
+                dp_size=cfg.dp_size,
+                side_channel_host=ep.name,
+                side_channel_port=ep.side_channel_port,
+                engine_id=ep.engine_id,
+                replica=ep.replica,
+            )
+            pod = Pod(info, healthy=True)
+            self.pods.append(pod)
+            latency = cfg.latency
+            assert latency is not None
+            for r in range(cfg.dp_size):
+                ecfg = _rank_config(cfg, r, info)
+                core = EngineCore(ecfg, latency)
+                node = f"{ep.name}/n{r // max(1, pool.gpus_per_node // max(1, pool.tp_size))}"
+                rank = SimRank(self, core, latency, pod, r, node)
+                self.ranks.append(rank)
+                self.by_holder[rank.holder] = rank
+                self.by_engine_id[rank.engine_id] = rank
+
+    # ---- KV events ------------------------------------------------------------------------------------------------
+    def publish(self, rank: SimRank, events: list) -> None:
+        delay = self.params.kv_event_delay_s
+        if delay > 0:
+            self.loop.after(delay, self._on_events, rank, events)
+        else:
+            self._on_events(rank, events)
+
+    # ---- transfers (the NIXL side channel and the pull) -------------------------------------------------------------
+    def start_pull(self, puller: SimRank, task: PullTask) -> None:
+        src = self.by_engine_id.get(task.remote_engine_id or "")
+        ok, tokens, lease = False, 0, task.remote_request_id is not None
+        if src is not None and src.pod.healthy:
+            if lease:
+                r = src.core.leases.get(task.remote_request_id or "")
+                expired = (
+                    r is None
+                    or r.finished_time is None
+                    or src.model_time() > r.finished_time + src.core.config.kv_lease_s
+                )
+                ok, tokens = not expired, task.num_tokens
+            else:
+                n = src.core.lookup_cached(task.block_hashes)
+                ok, tokens = True, min(n * src.core.config.block_size, task.num_tokens)
+        seconds = 0.0
+        if ok:
+            same_node = src is not None and src.node == puller.node
+            seconds = self.params.transfer_overhead_s + self.time_scale * (
+                puller.latency.kv_transfer_time(tokens, same_node) if tokens > 0 else 0.0
+            )
+        self.loop.after(seconds, self._pull_done, puller, src, task, ok, tokens, seconds)
+
+    def _pull_done(
+        self, puller: SimRank, src: SimRank | None, task: PullTask, ok: bool, tokens: int, seconds: float
+    ) -> None:
+        t = self.transfers
+        if task.remote_request_id is not None:
+            if src is not None and ok:
+                src.core.release_lease(task.remote_request_id)
+                src.kick()
+            puller.core.finish_pull(task.request_id, ok)
+        else:
+            t.p2p += 1
+            puller.core.finish_pull(task.request_id, ok, tokens if ok else None)
+        if ok:
+            t.pulls += 1
+            t.tokens += tokens
+            t.bytes += tokens * puller.latency.kv_bytes_per_token_gpu
+            t.seconds += seconds
+        else:
+            t.failed += 1
+        puller.publish_pending()
+        puller.kick()
+
+    def scrape(self) -> None:
+        for r in self.ranks:
+            r.scrape()
+
+
+def _rank_config(cfg: SimServerConfig, rank: int, info: PodInfo) -> Any:
+    from dataclasses import replace
+
+    side = info.side_channel_of(rank)
+    return replace(
+        cfg.engine,
+        dp_rank=rank,
+        engine_id=info.engine_id_of(rank) or f"{info.name}-{rank}",
+        side_channel_host=side[0] if side else info.name,
+        side_channel_port=side[1] if side else 0,
+        seed=cfg.engine.seed * 1_000_003 + zlib.crc32(info.name.encode()) % 1_000_003 + rank,
+    )

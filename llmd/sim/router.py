@@ -1,0 +1,247 @@
+"""The router in virtual time: llmd's own `RouterCore` (admission, ledger, scheduling pipeline, KV index, speculative
+entries, P/D and P2P plans) driven by events instead of HTTP. What the live proxy does with sockets, this does with
+the loop: hops take `hop_s`, the router's own work `router_overhead_s`; every decision is the core's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmd.engines.kinds import engine_kind
+from llmd.engines.sim.core import RequestOutput
+from llmd.engines.sim.request import FinishReason, SimRequest
+from llmd.kv.index import KVIndex
+from llmd.router.config import cost_models
+from llmd.router.core import HopPlan, Job, QueueFull, RouterCore
+from llmd.router.pd import PREFILL_KV_PARAMS
+from llmd.router.scheduling import NoEndpointError, RouteRequest, Scheduler, Tuning
+from llmd.sim.context import Context
+from llmd.sim.engines import Fleet, SimRank
+from llmd.sim.loop import EventLoop
+from llmd.sim.params import SimParams
+from llmd.sim.tokens import TokenRuns
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """One client request on its way: the turn, its prompt, and what came back (the client's and router's rows)."""
+
+    request_id: str
+    session: str
+    turn: int
+    is_subagent: bool
+    ctx: Context
+    max_tokens: int
+    output: TokenRuns  # the tokens the agent will read back in its next prompt (the engine replays them)
+    send_time: float
+    on_done: Callable[[Call], None]
+    received: float = 0.0
+    admitted: float | None = None
+    first_token: float | None = None
+    done_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int = -1
+    status: int = 0
+    error: str = ""
+    pod: str = ""
+    prefill_pod: str = ""
+    pd_path: str = ""
+    expected_hit_tokens: int = -1
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    route_reason: str = ""
+
+
+class SimRouter:
+    def __init__(self, loop: EventLoop, spec: Any, fleet: Fleet, params: SimParams, policy: str | None = None) -> None:
+        self.loop = loop
+        self.fleet = fleet
+        self.params = params
+        rspec = spec.router if policy is None else spec.router.model_copy(update={"policy": policy})
+        self.policy = rspec.policy
+        models = cost_models(spec)
+        self.scheduler = Scheduler(
+            rspec,
+            spec.workload.seed,
+            latency=models.get("latency"),
+            prefill_latency=models.get("prefill_latency"),
+            tuning=Tuning(time_scale=fleet.time_scale),  # as the live router: wall seconds per model second
+        )
+        self.index = KVIndex()
+        self.core = RouterCore(
+            self.scheduler,
+            self.index,
+            max_inflight=rspec.max_inflight_per_pod,
+            queue_limit=rspec.queue_limit,
+            p2p_mode=engine_kind(spec.engine.kind).p2p_mode,
+            now=0.0,
+        )
+        for pod in fleet.pods:
+            self.core.pod_up(pod)
+        self.block_size = spec.model.block_size
+        self.uses_tokens = "tokens" in self.scheduler.inputs
+        self.uses_text = "text" in self.scheduler.inputs
+        self._armed: float | None = None
+        self.finished: list[Call] = []  # the router's rows, taken by the recorder
+        self.p2p_lookups = 0
+
+    # ---- KV events into the index ---------------------------------------------------------------------------------
+    def on_events(self, rank: SimRank, events: list) -> None:
+        if rank.pod.healthy:
+            self.index.apply_events(rank.holder, events)
+
+    # ---- a request arrives ------------------------------------------------------------------------------------------
+    def send(self, call: Call) -> None:
+        """The client sends `call` now; the router has it after its own overhead."""
+        self.loop.after(self.params.router_overhead_s, self._receive, call)
+
+    def _receive(self, call: Call) -> None:
+        now = self.loop.now
+        call.received = now
+        ctx = call.ctx
+        rr = RouteRequest(
+            request_id=call.request_id,
+            block_hashes=ctx.h64 if self.uses_tokens else (),
+            num_tokens=len(ctx),
+            block_size=self.block_size,
+            session_id=call.session,
+            text_chunk_hashes=ctx.chunks if self.uses_text else (),
+            max_tokens=call.max_tokens,
+        )
+        job = Job(rr, call.session, handle=call)
+        try:
+            decided = self.core.submit(job, now)
+        except QueueFull:
+            self._end(call, 429, "router queue full")
+            return
+        except NoEndpointError as e:
+            self._end(call, 503, str(e))
+            return
+        self._settle(decided)
+
+    def _settle(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.error is not None:
+                self._end(job.handle, 503, str(job.error))
+            else:
+                self._dispatch(job)
+        self._arm()
+
+    def _arm(self) -> None:
+        """The core asks to be pumped at a time (a request waiting for its prefix holder stops waiting then)."""
+        w = self.core.next_wakeup()
+        if w is not None and (self._armed is None or w < self._armed):
+            self._armed = w
+            self.loop.at(w, self._wake, w)
+
+    def _wake(self, w: float) -> None:
+        if self._armed == w:
+            self._armed = None
+        self._settle(self.core.pump(self.loop.now))
+
+    # ---- hops -------------------------------------------------------------------------------------------------------
+    def _dispatch(self, job: Job) -> None:
+        call: Call = job.handle
+        flight = job.flight
+        assert flight is not None
+        if call.admitted is None:
+            call.admitted = self.loop.now
+        d = flight.decision
+        call.pod = flight.target.name
+        call.expected_hit_tokens = d.expected_hit_tokens
+        call.gpu_hit_tokens, call.cpu_hit_tokens = d.gpu_hit_tokens, d.cpu_hit_tokens
+        call.route_reason = d.reason
+        plan = self.core.hop_plan(job)
+        if plan.prefill is not None:
+            rank = self.fleet.by_holder[(plan.prefill.name, plan.prefill_rank)]
+            call.prefill_pod = plan.prefill.name
+            req = self._engine_request(job, f"{call.request_id}/{job.attempts}/p", 1, dict(PREFILL_KV_PARAMS))
+            self.loop.after(
+                self.params.hop_s, self._submit, rank, req, job, lambda out, t: self._prefill_out(job, plan, out)
+            )
+            return
+        if plan.p2p_outcome == "sent":
+            self.p2p_lookups += 1
+        call.pd_path = "p2p" if plan.kv_params is not None else "decode-only"
+        self._decode(job, plan.kv_params)
+
+    def _engine_request(self, job: Job, rid: str, max_tokens: int, kv: dict[str, Any] | None) -> SimRequest:
+        call: Call = job.handle
+        return SimRequest(
+            rid,
+            call.ctx.tokens,
+            max_tokens,
+            kv_transfer_params=kv,
+            output_script=call.output,
+            prompt_block_hashes=list(call.ctx.hashes),
+        )
+
+    def _submit(self, rank: SimRank, req: SimRequest, job: Job, sink: Callable[[RequestOutput, float], None]) -> None:
+        try:
+            rank.submit(req, sink)
+        except ValueError as e:  # the engine refuses the request (vLLM answers 400): no retry helps
+            flight = job.flight
+            assert flight is not None
+            self._settle(self.core.complete(flight, self.loop.now))
+            self._end(job.handle, 400, str(e))
+
+    def _prefill_out(self, job: Job, plan: HopPlan, out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        flight = job.flight
+        assert flight is not None
+        kv = out.kv_transfer_params if out.finish_reason != FinishReason.ERROR else None
+        outcome = self.core.prefill_done(flight, plan, kv, False, self.loop.now)
+        call: Call = job.handle
+        if plan.why == "p2p":
+            call.pd_path = "p2p"
+            self.p2p_lookups += 1
+        else:
+            call.pd_path = "pd" if kv is not None else "pd-fallback"
+        self._settle(outcome.admitted)
+        # The prefill response travels back to the router, then the decode leg goes out.
+        self.loop.after(self.params.hop_s, self._decode, job, kv)
+
+    def _decode(self, job: Job, kv: dict[str, Any] | None) -> None:
+        call: Call = job.handle
+        flight = job.flight
+        assert flight is not None
+        rank = self.fleet.by_holder[(flight.target.name, flight.rank)]
+        req = self._engine_request(job, f"{call.request_id}/{job.attempts}", call.max_tokens, kv)
+        self.loop.after(self.params.hop_s, self._submit, rank, req, job, lambda out, t: self._decode_out(job, out, t))
+
+    def _decode_out(self, job: Job, out: RequestOutput, t: float) -> None:
+        call: Call = job.handle
+        if out.finished and out.finish_reason == FinishReason.ERROR:
+            outcome = self.core.fail(job, "KV transfer failed", False, self.loop.now)
+            self._settle(outcome.admitted)
+            if outcome.retry:
+                try:
+                    self._settle(self.core.submit(job, self.loop.now))
+                except (QueueFull, NoEndpointError) as e:
+                    self._end(call, 503, str(e) or "router queue full")
+            else:
+                self._end(call, 502, outcome.error)
+            return
+        if out.new_token_ids:
+            if call.first_token is None:
+                call.first_token = t
+                call.cached_tokens = out.num_cached_tokens
+            call.token_times.append(t)
+            call.output_tokens += len(out.new_token_ids)
+        if out.finished:
+            flight = job.flight
+            assert flight is not None
+            self._settle(self.core.complete(flight, self.loop.now))
+            self._end(call, 200, "")
+
+    def _end(self, call: Call, status: int, error: str) -> None:
+        call.status = status
+        call.error = error
+        call.done_time = self.loop.now
+        self.finished.append(call)
+        # The last bytes reach the client one hop later.
+        self.loop.after(self.params.hop_s, call.on_done, call)

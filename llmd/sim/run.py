@@ -1,0 +1,215 @@
+"""One simulated run: a spec's fleet, llmd's router core and the spec's agents on one event loop, in virtual time.
+
+`Simulation(spec, ...).run()` advances the loop a simulated second at a time (the recorder's bins, the progress
+callback), stops when the workload's duration and the stop grace are over or nothing is left in flight, and on
+Ctrl-C keeps what was simulated: every part file is closed and merged into the run's metrics.h5 either way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmd.kv.hashing import BlockHasher
+from llmd.sim.agents import Agents
+from llmd.sim.context import ContextBuilder
+from llmd.sim.engines import Fleet
+from llmd.sim.loop import EventLoop
+from llmd.sim.params import SimParams
+from llmd.sim.record import SimRecorder
+from llmd.sim.router import Call, SimRouter
+from llmd.workload.profiles import profile_from_spec
+
+ABORTED = "aborted: the run ended"
+SIM_HASHING = {"hash_algo": "xxhash", "hash_seed": "0"}
+
+
+@dataclass
+class SimStats:
+    """The run's figures, from the client's rows and the engines' own counters."""
+
+    sim_s: float = 0.0
+    wall_s: float = 0.0
+    events: int = 0
+    interrupted: bool = False
+    requests: int = 0
+    errors: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    ttft_p50_s: float = math.nan
+    ttft_p90_s: float = math.nan
+    queue_p90_s: float = math.nan
+    hit_share: float = math.nan  # engines' prefix-cache hits over queries (local GPU + CPU tier)
+    hit_share_gpu: float = math.nan
+    cached_input_share: float = math.nan  # input tokens not computed: local hits + pulled KV
+    preemptions: int = 0
+    kv_transfers: int = 0
+    kv_transfer_bytes_mean: float = math.nan
+    p2p_lookups: int = 0
+    cpu_restores: int = 0
+    cpu_restore_mean_s: float = math.nan
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests_per_min(self) -> float:
+        return self.requests / self.sim_s * 60 if self.sim_s > 0 else math.nan
+
+    @property
+    def sim_speedup(self) -> float:
+        return self.sim_s / self.wall_s if self.wall_s > 0 else math.nan
+
+    @property
+    def events_per_s(self) -> float:
+        return self.events / self.wall_s if self.wall_s > 0 else math.nan
+
+
+class Simulation:
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        out_dir: Path | None = None,
+        policy: str | None = None,
+        params: SimParams | None = None,
+        run_id: str = "sim",
+    ) -> None:
+        # Block identity is what the simulation needs, not the digest: xxhash names the same blocks the same way at a
+        # fifth of sha256_cbor's cost, and hashing every new block of every agent's context is the simulator's
+        # largest fixed cost.
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update=SIM_HASHING)})
+        self.spec = spec
+        self.params = p = params or SimParams()
+        self.loop = loop = EventLoop()
+        self.fleet = Fleet(loop, spec, p, self._on_events)
+        self.router = SimRouter(loop, spec, self.fleet, p, policy)
+        m = spec.model
+        tuning = self.router.scheduler.tuning
+        vocab = self.fleet.ranks[0].core.config.vocab_size
+        builder = ContextBuilder(
+            BlockHasher(m.block_size, m.hash_algo, m.hash_seed),
+            round(tuning.chunk_chars / tuning.chars_per_token),
+            vocab,
+        )
+        workload = profile_from_spec(spec.workload, run_id=run_id)
+        self.duration_s = float(spec.workload.duration_s)
+        self.agents = Agents(loop, workload, builder, self._send, self.duration_s)
+        self.inflight: set[Call] = set()
+        self.recorder: SimRecorder | None = None
+        if out_dir is not None:
+            meta = {
+                "spec": spec,
+                "policy": self.router.policy,
+                "run_id": run_id,
+                "concurrency": spec.workload.concurrency,
+                "simulated": True,
+                "start_time": time.time(),
+            }
+            self.recorder = SimRecorder(Path(out_dir), self.fleet, self.router, meta, p.hop_s)
+        self.metrics_path = Path(out_dir) / "metrics.h5" if out_dir is not None else None
+        self.calls: list[Call] = []
+
+    def _on_events(self, rank: Any, events: list) -> None:
+        self.router.on_events(rank, events)
+
+    def _send(self, call: Call) -> None:
+        self.inflight.add(call)
+        done = call.on_done
+
+        def finished(c: Call) -> None:
+            self.inflight.discard(c)
+            self.calls.append(c)
+            if self.recorder is not None:
+                self.recorder.finished(c)
+            done(c)
+
+        call.on_done = finished
+        self.router.send(call)
+
+    def _scrape(self) -> None:
+        self.fleet.scrape()
+        self.loop.after(self.params.scrape_interval_s, self._scrape)
+
+    def run(self, progress: Callable[[float, SimStats], None] | None = None) -> SimStats:
+        loop = self.loop
+        stats = SimStats()
+        wall0 = time.perf_counter()
+        self._scrape()
+        self.agents.start()
+        end = self.duration_s + self.params.stop_grace_s
+        t = 0.0
+        try:
+            while t < end:
+                t = min(t + 1.0, end)
+                loop.run(t)
+                if self.recorder is not None:
+                    self.recorder.tick(t)
+                if progress is not None:
+                    stats.sim_s, stats.events, stats.wall_s = t, loop.events, time.perf_counter() - wall0
+                    progress(t, stats)
+                if t >= self.duration_s and not self.inflight:
+                    break
+        except KeyboardInterrupt:
+            stats.interrupted = True
+        stats.sim_s = min(t, self.duration_s) if not stats.interrupted else loop.now
+        self._abort_inflight()
+        if self.recorder is not None:
+            self.recorder.tick(max(t, loop.now) + 1.0)
+        stats.wall_s = time.perf_counter() - wall0
+        stats.events = loop.events
+        self._fill(stats)
+        if self.recorder is not None and self.metrics_path is not None:
+            self.recorder.close(self.metrics_path)
+        return stats
+
+    def _abort_inflight(self) -> None:
+        """Requests still running at the end are cut, as the live client's are at its stop: rows marked aborted."""
+        for call in list(self.inflight):
+            call.status = 0
+            call.error = ABORTED
+            call.done_time = self.loop.now
+            self.inflight.discard(call)
+            self.calls.append(call)
+            if self.recorder is not None:
+                self.recorder.finished(call)
+
+    def _fill(self, s: SimStats) -> None:
+        import numpy as np
+
+        ok = [c for c in self.calls if c.status == 200 and not c.error]
+        s.requests = len(self.calls)
+        s.errors = len(self.calls) - len(ok)
+        s.input_tokens = sum(len(c.ctx) for c in ok)
+        s.output_tokens = sum(c.output_tokens for c in ok)
+        hop = self.params.hop_s
+        ttft = [c.first_token + hop - c.send_time for c in ok if c.first_token is not None]
+        queue = [c.admitted - c.received for c in ok if c.admitted is not None]
+        if ttft:
+            s.ttft_p50_s, s.ttft_p90_s = (float(v) for v in np.percentile(ttft, [50, 90]))
+        if queue:
+            s.queue_p90_s = float(np.percentile(queue, 90))
+        q = h = hg = 0
+        cached = 0
+        for r in self.fleet.ranks:
+            st = r.core.stats()
+            q += st.prefix_cache_queries
+            hg += st.prefix_cache_hits
+            h += st.prefix_cache_hits + st.cpu_prefix_cache_hits
+            s.preemptions += st.num_preemptions
+            s.cpu_restores += r.core.cpu_restores
+            cached += st.external_prefix_cache_hits
+        if q:
+            s.hit_share, s.hit_share_gpu = h / q, hg / q
+        if s.input_tokens:
+            s.cached_input_share = min(1.0, sum(max(c.cached_tokens, 0) for c in ok) / s.input_tokens)
+        restore_s = sum(r.core.cpu_restore_s for r in self.fleet.ranks)
+        if s.cpu_restores:
+            s.cpu_restore_mean_s = restore_s / s.cpu_restores
+        t = self.fleet.transfers
+        s.kv_transfers = t.pulls
+        if t.pulls:
+            s.kv_transfer_bytes_mean = t.bytes / t.pulls
+        s.p2p_lookups = self.router.p2p_lookups

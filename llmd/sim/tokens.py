@@ -1,0 +1,113 @@
+"""Agents' token streams without storing them: a context is a list of runs of pseudo-random tokens, each run a
+(seed, length) whose i-th token is a hash of (seed, i), so any slice is computed on demand in O(slice).
+
+A 195K-token context held as Python ints costs ~7 MB; three thousand agents and their requests in flight would not fit
+a laptop. As runs, a context is a few dozen tuples, and extending it by a turn shares every earlier run. The engine
+core reads tokens only where vLLM does real work with them (hashing the blocks a step completes, the BlockStored
+events of newly cached blocks), so the simulator pays per prefilled token, as the engine it models does.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+import numpy as np
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def run_tokens(seed: int, start: int, stop: int, vocab: int) -> list[int]:
+    """Tokens [start, stop) of run `seed`: splitmix64 of (seed, position) modulo the vocabulary (specials aside, a
+    random-weight model's text)."""
+    if stop <= start:
+        return []
+    with np.errstate(over="ignore"):
+        x = np.arange(start, stop, dtype=np.uint64) * _GOLDEN + np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x ^= x >> np.uint64(31)
+    return (x % np.uint64(vocab)).astype(np.int64).tolist()
+
+
+class TokenRuns(Sequence[int]):
+    """An immutable token sequence made of runs: `extend` and `prefix` make new sequences sharing the runs."""
+
+    __slots__ = ("_len", "_runs", "_starts", "vocab")
+
+    def __init__(self, runs: tuple[tuple[int, int, int], ...] = (), vocab: int = 32000) -> None:
+        # (seed, offset into that run's stream, length); offsets let `prefix` cut a run without copying tokens.
+        self._runs = runs
+        starts, n = [], 0
+        for _, _, length in runs:
+            starts.append(n)
+            n += length
+        self._starts = starts
+        self._len = n
+        self.vocab = vocab
+
+    def extend(self, seed: int, n: int) -> TokenRuns:
+        if n <= 0:
+            return self
+        return TokenRuns((*self._runs, (seed, 0, n)), self.vocab)
+
+    def concat(self, other: TokenRuns) -> TokenRuns:
+        return TokenRuns(self._runs + other._runs, self.vocab)
+
+    def prefix(self, n: int) -> TokenRuns:
+        """The first `n` tokens (compaction keeps a summary; a reset cuts back to the shared system prompt)."""
+        if n >= self._len:
+            return self
+        out = []
+        for (seed, off, length), s in zip(self._runs, self._starts, strict=True):
+            if s >= n:
+                break
+            out.append((seed, off, min(length, n - s)))
+        return TokenRuns(tuple(out), self.vocab)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._len)
+            if step != 1:
+                return self.tokens(0, self._len)[i]
+            return self.tokens(start, stop)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError("token index out of range")
+        return self.tokens(i, i + 1)[0]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tokens(0, self._len))
+
+    def __add__(self, other: object) -> list[int]:
+        # SimRequest.tokens joins a prompt slice with output tokens: slices are lists already; this covers whole runs.
+        return self.tokens(0, self._len) + list(other)  # type: ignore[call-overload]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) as a list."""
+        stop = min(stop, self._len)
+        if stop <= start:
+            return []
+        out: list[int] = []
+        k = bisect_right(self._starts, start) - 1
+        runs, starts = self._runs, self._starts
+        while start < stop:
+            seed, off, length = runs[k]
+            s = starts[k]
+            end = min(stop, s + length)
+            out += run_tokens(seed, off + start - s, off + end - s, self.vocab)
+            start = end
+            k += 1
+        return out
