@@ -31,7 +31,7 @@ _tables: list[ProfileTable[Any]] = []
 
 def profile_dirs() -> list[Path]:
     """The user's profile folders in the order they apply: LLMD_PERF_PATH left to right, then add_profile_dir's."""
-    from_env = [Path(part) for part in os.environ.get(ENV_VAR, "").split(os.pathsep) if part]
+    from_env = [Path(part).expanduser() for part in os.environ.get(ENV_VAR, "").split(os.pathsep) if part]
     for folder in from_env:
         _check_dir(folder, f"{ENV_VAR} names {folder}")
     return [*from_env, *(d for d in _added_dirs if d not in from_env)]
@@ -40,7 +40,7 @@ def profile_dirs() -> list[Path]:
 def add_profile_dir(path: str | os.PathLike[str]) -> None:
     """Apply the gpus.yaml / models.yaml / efficiency.yaml in folder `path` over everything before it (built-ins,
     LLMD_PERF_PATH, folders added earlier) from the next look-up of GPUS or MODELS on."""
-    folder = Path(path)
+    folder = Path(path).expanduser()
     _check_dir(folder, f"add_profile_dir({os.fspath(path)!r})")
     if folder not in _added_dirs:
         _added_dirs.append(folder)
