@@ -1,17 +1,21 @@
 """GPU profiles: the datasheet numbers the latency model turns into step times.
 
 Every number is a published peak (dense, i.e. without 2:4 sparsity) unless it says "achievable"; the efficiencies turn
-peaks into what serving kernels reach. Bandwidths are bytes per second, one direction, per GPU.
+peaks into what serving kernels reach. Bandwidths are bytes per second, one direction, per GPU. The profiles themselves
+are data: llmd/perf/data/gpus.yaml, extended by the user's profile folders (see profile_table.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
 
 from llmd.errors import UserError
-
-MiB = 2**20
-GB = 10**9
+from llmd.perf.efficiency import EFFICIENCY_UNITS, FRACTIONS, load_efficiency
+from llmd.perf.profile_file import check_fields, field_types, pop_base
+from llmd.perf.profile_table import ProfileTable
 
 
 class UnknownProfileError(UserError, ValueError):
@@ -56,84 +60,40 @@ class GPUProfile:
         return self.step_overhead_s + self.layer_overhead_s * num_layers
 
 
-GPUS: dict[str, GPUProfile] = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s BF16 and 1,979 TFLOP/s FP8 dense (1,979/3,958 "with sparsity"), 3.35 TB/s
-    # HBM3, NVLink 4 at 900 GB/s total = 450 GB/s per direction. DGX H100: one ConnectX-7 NDR 400 Gb/s (50 GB/s) NIC
-    # per GPU. PCIe Gen5 x16: 64 GB/s per direction, ~55 GB/s achievable with pinned memory. nvidia-smi reports
-    # 81,559 MiB for the "80GB" part.
-    "H100-80GB": GPUProfile(
-        name="H100-80GB",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        hbm_bytes=81559 * MiB,
-        hbm_bw=3.35e12,
-        nvlink_bw=450 * GB,
-        ib_bw=50 * GB,
-        pcie_bw=55 * GB,
-    ),
-    # NVIDIA H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s (nvidia-smi: 143,771 MiB); same NVLink 4,
-    # ConnectX-7 and PCIe Gen5 as the H100 in HGX H200.
-    "H200": GPUProfile(
-        name="H200",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        hbm_bytes=143771 * MiB,
-        hbm_bw=4.8e12,
-        nvlink_bw=450 * GB,
-        ib_bw=50 * GB,
-        pcie_bw=55 * GB,
-    ),
-    # NVIDIA A100 SXM4 80GB: 312 TFLOP/s BF16 dense, no FP8 tensor cores (FP8 checkpoints run weight-only, e.g. Marlin,
-    # at the BF16 rate), 2,039 GB/s HBM2e, NVLink 3 at 600 GB/s total = 300 per direction, HDR 200 Gb/s (25 GB/s)
-    # NICs in DGX A100, PCIe Gen4 x16 (32 GB/s peak, ~25 achievable). Older software stack: a little more overhead.
-    "A100-80GB": GPUProfile(
-        name="A100-80GB",
-        bf16_flops=312e12,
-        fp8_flops=312e12,
-        hbm_bytes=81920 * MiB,
-        hbm_bw=2.039e12,
-        nvlink_bw=300 * GB,
-        ib_bw=25 * GB,
-        pcie_bw=25 * GB,
-        step_overhead_s=0.6e-3,
-        layer_overhead_s=25e-6,
-    ),
-    # NVIDIA HGX/DGX B200: 2.25 PFLOP/s BF16 and 4.5 PFLOP/s FP8 dense per GPU (half the "sparse" figures), 1,440 GB
-    # HBM3e per 8 GPUs (180 GB each) at 62 TB/s per 8 GPUs (~7.7 TB/s each), NVLink 5 at 1.8 TB/s total = 900 GB/s per
-    # direction, ConnectX-7 400 Gb/s NICs in DGX B200, PCIe Gen5 host link.
-    "B200": GPUProfile(
-        name="B200",
-        bf16_flops=2250e12,
-        fp8_flops=4500e12,
-        hbm_bytes=180 * GB,
-        hbm_bw=7.7e12,
-        nvlink_bw=900 * GB,
-        ib_bw=50 * GB,
-        pcie_bw=55 * GB,
-        step_overhead_s=0.4e-3,
-        layer_overhead_s=15e-6,
-    ),
-    # This 2-core machine running the tiny model in the simulated engine. Not a datasheet: effective rates (so the
-    # efficiencies are 1) chosen so that a time-scale-1 simulated run takes realistic-looking but short times: a
-    # ~0.5 ms step floor, ~12 ms to prefill 1,000 tiny-model tokens. "Links" are memory copies and loopback TCP.
-    "cpu": GPUProfile(
-        name="cpu",
-        bf16_flops=1e11,
-        fp8_flops=1e11,
-        hbm_bytes=8 * GB,
-        hbm_bw=2e10,
-        nvlink_bw=1e10,
-        ib_bw=1.25e9,
-        pcie_bw=1e10,
-        mfu=1.0,
-        bw_efficiency=1.0,
-        link_efficiency=1.0,
-        step_overhead_s=0.5e-3,
-        layer_overhead_s=0.0,
-        nvlink_latency_s=2e-6,
-        net_latency_s=50e-6,
-    ),
+_DATASHEET_UNITS = {
+    "bf16_flops": "FLOP/s",
+    "fp8_flops": "FLOP/s",
+    "hbm_bytes": "B",
+    "hbm_bw": "B/s",
+    "nvlink_bw": "B/s",
+    "ib_bw": "B/s",
+    "pcie_bw": "B/s",
 }
+_UNITS = {**_DATASHEET_UNITS, **{name: unit for name, unit in EFFICIENCY_UNITS.items() if unit is not None}}
+_TYPES = field_types(GPUProfile)
+_REQUIRED = [f.name for f in fields(GPUProfile) if f.default is MISSING and f.name != "name"]
+
+
+def _read_entry(path: Path, name: str, raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    rest, base = pop_base(path, "GPU", name, raw)
+    checked = check_fields(
+        path, "GPU", name, rest, _TYPES, _UNITS, positive=_DATASHEET_UNITS, fractions=FRACTIONS, also=("base",)
+    )
+    return checked, base
+
+
+def _make(name: str, values: dict[str, Any]) -> GPUProfile:
+    missing = [field for field in _REQUIRED if field not in values]
+    if missing:
+        raise ValueError(f"a new GPU needs {', '.join(missing)}; give them, or `base: <a known GPU>` to start from one")
+    return GPUProfile(name=name, **values)
+
+
+# The built-in profiles live in llmd/perf/data/gpus.yaml, with their datasheet sources; the user's profile folders
+# (LLMD_PERF_PATH, add_profile_dir) add GPUs or override fields, and their efficiency.yaml files apply last.
+GPUS: Mapping[str, GPUProfile] = ProfileTable(
+    "GPU", "gpus.yaml", _read_entry, _make, overlay=("efficiency.yaml", load_efficiency)
+)
 
 
 def get_gpu(name: str) -> GPUProfile:

@@ -3,7 +3,7 @@
 Profiles are computed from Hugging Face `config.json` fields, so a registry entry and the same model's config folder
 give identical profiles. Parameter counts come from the shapes of every weight matrix (norms and biases included);
 "active" parameters are those one token passes through: all dense weights plus `experts_per_token` routed experts per
-MoE layer.
+MoE layer. The registry's entries are data: llmd/perf/data/models.yaml, extended by the user's profile folders.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from llmd.perf.gpus import UnknownProfileError
+from llmd.perf.profile_file import check_fields, entry_error, field_types, pop_base
+from llmd.perf.profile_table import ProfileTable
 
 if TYPE_CHECKING:
     from llmd.spec.model import ModelSpec
@@ -383,113 +385,61 @@ def _mla_profile(
 
 # ---- registry ------------------------------------------------------------------------------------------------------
 
-# config.json contents as published (only the fields the profile reads). Keeping configs rather than hand-typed
-# profiles means a registry entry and the same model's folder always agree.
-_CONFIGS: dict[str, dict[str, Any]] = {
-    # What llmd.models.tiny.make_tiny writes with its defaults (tests check the two agree).
-    "tiny": {
-        "model_type": "llama",
-        "vocab_size": 1024,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "head_dim": 32,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    # meta-llama/Llama-3.1-8B-Instruct config.json.
-    "llama-3.1-8b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    # meta-llama/Llama-3.1-70B-Instruct config.json.
-    "llama-3.1-70b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    # deepseek-ai/DeepSeek-V3 config.json: 671B main model + 14B MTP module, 37B active, FP8 block-quantised weights.
-    "deepseek-v3": {
-        "model_type": "deepseek_v3",
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "moe_layer_freq": 1,
-        "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-    },
-    # GLM-5.2: assumed to keep GLM-5's published architecture (GLM-5 technical report; HF `glm_moe_dsa` config): 78
-    # layers (3 dense + 75 MoE), hidden 6144, MLA with 64 heads (q_lora 2048, kv_lora 512, qk 192+64, v 256), 256
-    # routed experts top-8 + 1 shared of 2048, DSA indexer (32 heads x 128, top-2048), one MTP layer, FP8 (e4m3, 128x128
-    # blocks) weights. That gives ~744B main + ~10B MTP = ~754B total and ~40B active, matching the deployment's
-    # "~753B / ~39B". KV: fp8 (see MODELS below).
-    "glm-5.2": {
-        "model_type": "glm_moe_dsa",
-        "vocab_size": 154880,
-        "hidden_size": 6144,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 78,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 64,
-        "q_lora_rank": 2048,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 192,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 256,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "num_nextn_predict_layers": 1,
-        "index_topk": 2048,
-        "index_n_heads": 32,
-        "index_head_dim": 128,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-    },
-}
+_TYPES = field_types(ModelProfile)
+_REQUIRED = [f.name for f in fields(ModelProfile) if f.default is MISSING and f.name != "name"]
+_CONFIG_EXAMPLE = "{model_type: llama, hidden_size: 4096, ...}"
 
-# KV dtype per entry where it is not the model's dtype: DSA deployments run vLLM with an fp8 KV cache (the sparse
-# FlashMLA kernels read an fp8 latent), so GLM-5.2's cache holds (512 + 64) + 128 index bytes per token and layer.
-# vLLM's fp8_ds_mla layout adds ~14% of scales that this ignores.
-_KV_BYTES: dict[str, float] = {"glm-5.2": 1.0}
 
-MODELS: dict[str, ModelProfile] = {
-    key: ModelProfile.from_hf_config(cfg, name=key, kv_bytes_per_element=_KV_BYTES.get(key))
-    for key, cfg in _CONFIGS.items()
-}
+def _read_entry(path: Path, name: str, raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    rest, base = pop_base(path, "model", name, raw)
+    config = rest.pop("config", None)
+    if config is not None and not (isinstance(config, dict) and all(isinstance(key, str) for key in config)):
+        problem = f"expected a mapping of config.json fields, like `config: {_CONFIG_EXAMPLE}`"
+        raise entry_error(path, "model", name, "config", problem)
+    positive = ("weight_bytes_per_param", "kv_bytes_per_element")
+    checked = check_fields(path, "model", name, rest, _TYPES, {}, positive=positive, also=("base", "config"))
+    if config is not None:
+        checked["config"] = config
+    return checked, base
+
+
+def _make(name: str, values: dict[str, Any]) -> ModelProfile:
+    """The profile its `config` (config.json fields) gives, with the entry's own profile fields over it; or, without a
+    config, the profile its fields spell out."""
+    profile_fields = dict(values)
+    config = profile_fields.pop("config", None)
+    if config is None:
+        missing = [field for field in _REQUIRED if field not in profile_fields]
+        if missing:
+            raise ValueError(
+                f"a new model needs `config:` (its config.json fields, like {_CONFIG_EXAMPLE}), or the profile "
+                f"fields {', '.join(missing)}, or `base: <a known model>` to start from one"
+            )
+        if "dense_params" not in profile_fields:
+            # The latency model streams dense_params every step, so a hand-written profile must not leave it at 0:
+            # it is what total_params holds besides the routed experts and the MTP module.
+            experts = profile_fields.get("num_experts", 0) * profile_fields.get("expert_params", 0)
+            routed = experts * profile_fields.get("moe_layers", 0)
+            profile_fields["dense_params"] = (
+                profile_fields["total_params"] - routed - profile_fields.get("mtp_params", 0)
+            )
+        return ModelProfile(name=name, **profile_fields)
+    try:
+        profile = ModelProfile.from_hf_config(config, name=name)
+    except KeyError as e:
+        model_type = config.get("model_type")
+        raise ValueError(f"its config lacks {e.args[0]!r}, which a {model_type} config.json has") from None
+    except (ValueError, TypeError) as e:
+        # int("big") says only 'big': name the config field that holds it.
+        culprits = [key for key, value in config.items() if isinstance(value, str) and repr(value) in str(e)]
+        where = f"config field {culprits[0]!r}: " if culprits else ""
+        raise ValueError(f"{where}{e}") from None
+    return replace(profile, **profile_fields)
+
+
+# The built-in profiles live in llmd/perf/data/models.yaml as config.json contents, with their sources; the user's
+# profile folders (LLMD_PERF_PATH, add_profile_dir) add models or override fields.
+MODELS: Mapping[str, ModelProfile] = ProfileTable("model", "models.yaml", _read_entry, _make)
 
 
 def _normalise(name: str) -> str:
