@@ -69,7 +69,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Simulation, obje
 
 
 def test_simulated_demo_serves_the_workload_through_the_router_core(demo_run) -> None:
-    sim, stats, out = demo_run
+    sim, stats, _out = demo_run
     assert stats.requests > 100 and stats.errors == 0 and stats.preemptions == 0
     ok = [c for c in sim.calls if c.status == 200]
     # The embedded deployment is disaggregated: requests took the P/D path, and the decode side pulled the KV.
@@ -82,7 +82,7 @@ def test_simulated_demo_serves_the_workload_through_the_router_core(demo_run) ->
 
 def test_simulated_run_writes_the_live_schema(demo_run) -> None:
     """client, router and engine rows, merged into metrics.h5: the summary table and figures read it unchanged."""
-    sim, stats, out = demo_run
+    _sim, stats, out = demo_run
     path = out / "metrics.h5"
     df = read_requests(path)
     client = df[df.source == "client"]
@@ -121,7 +121,7 @@ def test_ctrl_c_keeps_what_was_simulated(tmp_path: Path) -> None:
 def test_params_file_errors_name_what_is_wrong(tmp_path: Path) -> None:
     f = tmp_path / "p.yaml"
     f.write_text("hop_s: 0.001\nkv_event_delay: 1\n")
-    with pytest.raises(UserError, match="unknown parameter.*kv_event_delay.*known:.*kv_event_delay_s"):
+    with pytest.raises(UserError, match=r"unknown parameter.*kv_event_delay.*known:.*kv_event_delay_s"):
         SimParams.load(f)
     f.write_text("hop_s: -1\n")
     with pytest.raises(UserError, match="hop_s must be a number >= 0"):
