@@ -143,6 +143,7 @@ class _Session:
             a._fresh(turn.output_tokens),
             a.loop.now,
             lambda c: self._done(turn, c),
+            turn.new_tokens,
         )
         a.stats.sent += 1
         a.inflight += 1

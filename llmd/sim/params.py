@@ -20,8 +20,6 @@ class SimParams:
     kv_event_delay_s: float = 0.002
     # How often the router reads each engine's /metrics (waiting, running, KV usage): RouterConfig.metrics_interval_s.
     scrape_interval_s: float = 1.0
-    # The router's own work per request before it routes (HTTP parse, tokenization, hashing, the decision).
-    router_overhead_s: float = 0.001
     # One HTTP hop router <-> engine (request out, first response bytes back), each way.
     hop_s: float = 0.0003
     # NIXL per transfer, beyond bytes over the link: handshake with the remote agent, descriptor lists, completion
@@ -29,10 +27,28 @@ class SimParams:
     transfer_overhead_s: float = 0.002
     # After the workload's duration, requests in flight get this long to finish (the live demo's STOP_GRACE_S).
     stop_grace_s: float = 20.0
+    # CPU time of the processes around the GPUs (llmd.sim.host), per request, per prompt token, per streamed output
+    # chunk, per /metrics scrape. The defaults are llmd's router process on a cluster (benchmarks/router.py: ~1,000
+    # requests/s on one core, tokenization incremental); engine API servers and the agents are not modeled (0).
+    client_cpu_s: float = 0.0
+    client_cpu_per_token_s: float = 0.0  # per token a turn adds (the client writes and counts its new text)
+    router_cpu_s: float = 0.001
+    router_cpu_per_token_s: float = 0.0  # per token a turn adds (incremental tokenization)
+    engine_cpu_s: float = 0.0
+    engine_cpu_per_token_s: float = 0.0  # per prompt token (an engine tokenizes the whole prompt of every request)
+    stream_cpu_s: float = 0.0
+    scrape_cpu_s: float = 0.0
+    # One process for everything (`llmd demo`: engines, router and client on one event loop); else the router is one
+    # process and each engine pod's API server another.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "colocated":
+                if not isinstance(v, bool):
+                    raise UserError(f"simulator parameter colocated must be true or false, got {v!r}")
+                continue
             if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
                 raise UserError(f"simulator parameter {f.name} must be a number >= 0 (seconds), got {v!r}")
         if self.scrape_interval_s <= 0:

@@ -23,7 +23,7 @@ from llmd.workload.run_stats import RunStats
 PARTS = ("client", "router", "engines")
 
 
-def client_row(call: Call, hop_s: float) -> dict[str, Any]:
+def client_row(call: Call) -> dict[str, Any]:
     row: dict[str, Any] = {
         "request_id": call.request_id,
         "session": call.session,
@@ -34,9 +34,9 @@ def client_row(call: Call, hop_s: float) -> dict[str, Any]:
         "input_tokens": len(call.ctx),
     }
     if call.done_time is not None:
-        row["e2e_s"] = call.done_time + hop_s - call.send_time
+        row["e2e_s"] = call.done_time - call.send_time
     if call.admitted is not None:
-        row["router_queue_s"] = call.admitted - call.received
+        row["router_queue_s"] = call.admitted - call.parsed
     if call.error:
         row["error"] = call.error
         return row
@@ -46,7 +46,7 @@ def client_row(call: Call, hop_s: float) -> dict[str, Any]:
     row["prefill_pod"] = call.prefill_pod
     row["pd_path"] = call.pd_path
     if call.first_token is not None:
-        row["ttft_s"] = call.first_token + hop_s - call.send_time
+        row["ttft_s"] = call.first_token - call.send_time
     times = call.token_times
     if len(times) > 1:
         gaps = [b - a for a, b in pairwise(times)]
@@ -67,7 +67,7 @@ def router_row(call: Call) -> dict[str, Any]:
     if call.done_time is not None:
         row["e2e_s"] = call.done_time - call.received
     if call.admitted is not None:
-        row["router_queue_s"] = call.admitted - call.received
+        row["router_queue_s"] = call.admitted - call.parsed
         row["pod"] = call.pod
         row["prefill_pod"] = call.prefill_pod
         row["pd_path"] = call.pd_path
@@ -83,14 +83,13 @@ def router_row(call: Call) -> dict[str, Any]:
 class SimRecorder:
     """Writes the three parts every simulated second (`tick`) and merges them at `close`."""
 
-    def __init__(self, out_dir: Path, fleet: Fleet, router: SimRouter, meta: dict[str, Any], hop_s: float) -> None:
+    def __init__(self, out_dir: Path, fleet: Fleet, router: SimRouter, meta: dict[str, Any]) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = out_dir
         self.paths = {name: out_dir / f"{name}.h5" for name in PARTS}
         self.writers = {name: MetricsWriter(self.paths[name], name, meta) for name in PARTS}
         self.fleet = fleet
         self.router = router
-        self.hop_s = hop_s
         self.client = RunStats()
         self.pending: list[Call] = []
         self._engines = [(r.name, r) for r in fleet.ranks]
@@ -110,8 +109,8 @@ class SimRecorder:
         calls, self.pending = self.pending, []
         rows = []
         for c in calls:
-            row = client_row(c, self.hop_s)
-            self.client.add(row, (c.done_time or t) + self.hop_s)
+            row = client_row(c)
+            self.client.add(row, c.done_time or t)
             rows.append(row)
         if rows:
             self.writers["client"].append_requests(rows)

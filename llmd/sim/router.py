@@ -19,9 +19,12 @@ from llmd.router.pd import PREFILL_KV_PARAMS
 from llmd.router.scheduling import NoEndpointError, RouteRequest, Scheduler, Tuning
 from llmd.sim.context import Context
 from llmd.sim.engines import Fleet, SimRank
+from llmd.sim.host import Host
 from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
 from llmd.sim.tokens import TokenRuns
+
+Sink = Callable[[RequestOutput, float], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -37,7 +40,9 @@ class Call:
     output: TokenRuns  # the tokens the agent will read back in its next prompt (the engine replays them)
     send_time: float
     on_done: Callable[[Call], None]
-    received: float = 0.0
+    new_tokens: int = 0  # tokens the turn adds to its session's context: what an incremental tokenizer has to read
+    received: float = 0.0  # at the router
+    parsed: float = 0.0  # the router has read and hashed it: admission starts
     admitted: float | None = None
     first_token: float | None = None
     done_time: float | None = None
@@ -84,6 +89,15 @@ class SimRouter:
         self.block_size = spec.model.block_size
         self.uses_tokens = "tokens" in self.scheduler.inputs
         self.uses_text = "text" in self.scheduler.inputs
+        # The processes around the GPUs (llmd.sim.host): the router's own, each engine pod's API server, the client's.
+        self.router_host = Host(loop, "router")
+        if params.colocated:
+            self.client_host: Host | None = self.router_host
+            self.engine_hosts = {pod.name: self.router_host for pod in fleet.pods}
+        else:
+            self.client_host = Host(loop, "client") if params.client_cpu_s > 0 else None
+            self.engine_hosts = {pod.name: Host(loop, pod.name) for pod in fleet.pods}
+        self._stream = params.stream_cpu_s > 0 or params.colocated
         self._armed: float | None = None
         self.finished: list[Call] = []  # the router's rows, taken by the recorder
         self.p2p_lookups = 0
@@ -95,12 +109,22 @@ class SimRouter:
 
     # ---- a request arrives ------------------------------------------------------------------------------------------
     def send(self, call: Call) -> None:
-        """The client sends `call` now; the router has it after its own overhead."""
-        self.loop.after(self.params.router_overhead_s, self._receive, call)
+        """The client sends `call` now (after its own CPU time, where it has a process here)."""
+        if self.client_host is not None:
+            p = self.params
+            self.client_host.run(p.client_cpu_s + p.client_cpu_per_token_s * call.new_tokens, self._to_router, call)
+        else:
+            self._to_router(call)
+
+    def _to_router(self, call: Call) -> None:
+        call.received = self.loop.now
+        p = self.params
+        # The router tokenizes incrementally: a turn costs what it adds to the session's prompt.
+        self.router_host.run(p.router_cpu_s + p.router_cpu_per_token_s * call.new_tokens, self._receive, call)
 
     def _receive(self, call: Call) -> None:
         now = self.loop.now
-        call.received = now
+        call.parsed = now
         ctx = call.ctx
         rr = RouteRequest(
             request_id=call.request_id,
@@ -179,7 +203,14 @@ class SimRouter:
             prompt_block_hashes=list(call.ctx.hashes),
         )
 
-    def _submit(self, rank: SimRank, req: SimRequest, job: Job, sink: Callable[[RequestOutput, float], None]) -> None:
+    def _to_engine(self, rank: SimRank, req: SimRequest, job: Job, sink: Sink) -> None:
+        """One hop to the engine's API server, which parses and tokenizes the prompt before the core has it."""
+        p = self.params
+        host = self.engine_hosts[rank.pod.name]
+        cost = p.engine_cpu_s + p.engine_cpu_per_token_s * len(req.prompt_token_ids)
+        self.loop.after(p.hop_s, host.run, cost, self._submit, rank, req, job, sink)
+
+    def _submit(self, rank: SimRank, req: SimRequest, job: Job, sink: Sink) -> None:
         try:
             rank.submit(req, sink)
         except ValueError as e:  # the engine refuses the request (vLLM answers 400): no retry helps
@@ -188,9 +219,19 @@ class SimRouter:
             self._settle(self.core.complete(flight, self.loop.now))
             self._end(job.handle, 400, str(e))
 
+    def _back(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Engine output travels to the router (a hop) and through it (relaying costs router CPU)."""
+        p = self.params
+        if self._stream:
+            self.loop.after(p.hop_s, self.router_host.run, p.stream_cpu_s, fn, *args)
+        else:
+            self.loop.after(p.hop_s, fn, *args)
+
     def _prefill_out(self, job: Job, plan: HopPlan, out: RequestOutput) -> None:
-        if not out.finished:
-            return
+        if out.finished:
+            self._back(self._prefill_back, job, plan, out)
+
+    def _prefill_back(self, job: Job, plan: HopPlan, out: RequestOutput) -> None:
         flight = job.flight
         assert flight is not None
         kv = out.kv_transfer_params if out.finish_reason != FinishReason.ERROR else None
@@ -202,8 +243,7 @@ class SimRouter:
         else:
             call.pd_path = "pd" if kv is not None else "pd-fallback"
         self._settle(outcome.admitted)
-        # The prefill response travels back to the router, then the decode leg goes out.
-        self.loop.after(self.params.hop_s, self._decode, job, kv)
+        self._decode(job, kv)
 
     def _decode(self, job: Job, kv: dict[str, Any] | None) -> None:
         call: Call = job.handle
@@ -211,10 +251,15 @@ class SimRouter:
         assert flight is not None
         rank = self.fleet.by_holder[(flight.target.name, flight.rank)]
         req = self._engine_request(job, f"{call.request_id}/{job.attempts}", call.max_tokens, kv)
-        self.loop.after(self.params.hop_s, self._submit, rank, req, job, lambda out, t: self._decode_out(job, out, t))
+        self._to_engine(rank, req, job, lambda out, t: self._decode_out(job, out, t))
 
     def _decode_out(self, job: Job, out: RequestOutput, t: float) -> None:
+        self._back(self._relay, job, out)
+
+    def _relay(self, job: Job, out: RequestOutput) -> None:
+        """An engine output as the client receives it (its first token, the rest of the stream, its end)."""
         call: Call = job.handle
+        t = self.loop.now
         if out.finished and out.finish_reason == FinishReason.ERROR:
             outcome = self.core.fail(job, "KV transfer failed", False, self.loop.now)
             self._settle(outcome.admitted)
@@ -243,5 +288,11 @@ class SimRouter:
         call.error = error
         call.done_time = self.loop.now
         self.finished.append(call)
-        # The last bytes reach the client one hop later.
-        self.loop.after(self.params.hop_s, call.on_done, call)
+        call.on_done(call)
+
+    def scrape(self) -> None:
+        """Every engine's /metrics is read: its API server renders it, the router parses it."""
+        cost = self.params.scrape_cpu_s
+        if cost > 0:
+            for pod in self.fleet.pods:
+                self.engine_hosts[pod.name].stall(cost)

@@ -108,7 +108,7 @@ class Simulation:
                 "simulated": True,
                 "start_time": time.time(),
             }
-            self.recorder = SimRecorder(Path(out_dir), self.fleet, self.router, meta, p.hop_s)
+            self.recorder = SimRecorder(Path(out_dir), self.fleet, self.router, meta)
         self.metrics_path = Path(out_dir) / "metrics.h5" if out_dir is not None else None
         self.calls: list[Call] = []
 
@@ -131,6 +131,7 @@ class Simulation:
 
     def _scrape(self) -> None:
         self.fleet.scrape()
+        self.router.scrape()
         self.loop.after(self.params.scrape_interval_s, self._scrape)
 
     def run(self, progress: Callable[[float, SimStats], None] | None = None) -> SimStats:
@@ -184,9 +185,8 @@ class Simulation:
         s.errors = len(self.calls) - len(ok)
         s.input_tokens = sum(len(c.ctx) for c in ok)
         s.output_tokens = sum(c.output_tokens for c in ok)
-        hop = self.params.hop_s
-        ttft = [c.first_token + hop - c.send_time for c in ok if c.first_token is not None]
-        queue = [c.admitted - c.received for c in ok if c.admitted is not None]
+        ttft = [c.first_token - c.send_time for c in ok if c.first_token is not None]
+        queue = [c.admitted - c.parsed for c in ok if c.admitted is not None]
         if ttft:
             s.ttft_p50_s, s.ttft_p90_s = (float(v) for v in np.percentile(ttft, [50, 90]))
         if queue:
