@@ -149,3 +149,24 @@ def test_llmd_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "unknown --policy 'best'" in capsys.readouterr().err
     assert main(["simulate", str(tmp_path / "none.yaml")]) != 0
     assert "none.yaml" in capsys.readouterr().err
+
+
+def test_sweep_simulate_runs_every_variant_locally(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import yaml
+
+    base = yaml.safe_load((ROOT / "examples" / "tiny-local.yaml").read_text())
+    base["output"] = {"dir": str(tmp_path / "results")}
+    base["workload"] = {"profile": "smoke", "duration_s": 4}
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"name": "pol", "base": base, "grid": {"router.policy": ["precise", "round-robin"]}}))
+    assert main(["sweep", str(sweep), "--simulate", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 variants" in out and "req/min" in out
+    rows = json.loads((tmp_path / "results" / "pol" / "sweep.json").read_text())
+    assert [r["router.policy"] for r in rows] == ["precise", "round-robin"] and all(r["requests"] > 0 for r in rows)
+    assert all((tmp_path / "results" / "pol" / str(i) / "metrics.h5").exists() for i in (0, 1))
+    # Results are never overwritten.
+    assert main(["sweep", str(sweep), "--simulate"]) != 0
+    assert "already holds results" in capsys.readouterr().err
