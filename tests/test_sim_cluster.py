@@ -160,7 +160,8 @@ def test_sweep_simulate_runs_every_variant_locally(tmp_path: Path, capsys: pytes
     base["output"] = {"dir": str(tmp_path / "results")}
     base["workload"] = {"profile": "smoke", "duration_s": 4}
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({"name": "pol", "base": base, "grid": {"router.policy": ["precise", "round-robin"]}}))
+    grid = {"router.policy": ["precise", "round-robin"]}
+    sweep.write_text(yaml.safe_dump({"name": "pol", "base": base, "grid": grid}))
     assert main(["sweep", str(sweep), "--simulate", "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 variants" in out and "req/min" in out
