@@ -171,3 +171,39 @@ def test_sweep_simulate_runs_every_variant_locally(tmp_path: Path, capsys: pytes
     # Results are never overwritten.
     assert main(["sweep", str(sweep), "--simulate"]) != 0
     assert "already holds results" in capsys.readouterr().err
+
+
+def test_trace_replay_keeps_times_order_and_forks(tmp_path: Path) -> None:
+    """A replayed trace: turns at their recorded times but never before the previous response, a sub-agent forking
+    from its parent's latest prompt (so the engines hit its prefix), sessions in the trace's order."""
+    import json
+
+    lines = []
+    for k, t in enumerate((0.0, 1.0, 2.0)):
+        lines.append({"session": "main", "t": t, "input_tokens": 2000 + 300 * k, "output_tokens": 20})
+    lines.append({"session": "sub", "parent": "main", "t": 1.5, "input_tokens": 2700, "output_tokens": 10})
+    lines.append({"session": "other", "t": 0.5, "input_tokens": 900, "output_tokens": 5})
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    spec = embedded_spec(10.0)
+    spec = spec.model_copy(
+        update={
+            "workload": spec.workload.model_copy(
+                update={"profile": "trace", "trace_path": str(trace), "context_scale": 1.0}
+            )
+        }
+    )
+    sim = Simulation(spec, run_id="tr")
+    stats = sim.run()
+    calls = {c.request_id: c for c in sim.calls}
+    assert set(calls) == {"main#0", "main#1", "main#2", "sub#0", "other#0"} and stats.errors == 0
+    assert [round(calls[f"main#{k}"].send_time, 3) for k in range(3)] == [0.0, 1.0, 2.0]
+    assert calls["sub#0"].send_time == pytest.approx(1.5) and len(calls["sub#0"].ctx) == 2700
+    # The sub-agent's prompt extends main's latest prompt (turn 1, 2,300 tokens) with its task.
+    assert calls["sub#0"].ctx.hashes[:10] == calls["main#1"].ctx.hashes[:10]
+    assert calls["sub#0"].cached_tokens >= 2000
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session": "x", "t": -1, "input_tokens": 5, "output_tokens": 1}\n')
+    spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"trace_path": str(bad)})})
+    with pytest.raises(ValueError, match="line 1: field 't'"):
+        Simulation(spec, run_id="tr")

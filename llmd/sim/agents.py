@@ -23,6 +23,7 @@ from llmd.sim.router import Call
 from llmd.sim.tokens import TokenRuns
 from llmd.workload.profiles import Workload
 from llmd.workload.sessions import SessionPlan, Turn
+from llmd.workload.trace import TraceSession
 
 
 @dataclass(slots=True)
@@ -70,6 +71,28 @@ class Agents:
         for a in range(self.workload.profile.agents):
             it = self.workload.agent_sessions(a)
             self.loop.at(0.0, self._next_session, it)
+
+    def replay(self, sessions: list[TraceSession]) -> None:
+        """Replay a trace instead of the profile's agents (llmd.workload.trace): each session starts at its first
+        turn's time, each turn at its time but never before the previous response; a sub-agent waits until its
+        parent has had a response and forks from the parent's latest prompt. A trace's token counts are whole
+        prompts, so there is no shared system prompt (as in the load generator)."""
+        self.system = self.builder.empty
+        self.latest: dict[str, Context] = {}
+        self.waiting_for: dict[str, list[_TraceSession]] = {}
+        self.ready: set[str] = set()
+        for ts in sessions:
+            if ts.start >= self.duration_s:
+                break  # sorted by start: the rest start later still
+            self.loop.at(ts.start, _TraceSession(self, ts).begin)
+
+    def session_ready(self, sid: str) -> None:
+        """A trace session has a context its sub-agents can fork from (or has ended without one)."""
+        if sid in self.ready:
+            return
+        self.ready.add(sid)
+        for child in self.waiting_for.pop(sid, []):
+            child.begin()
 
     def _open(self) -> bool:
         return self.loop.now < self.duration_s
@@ -176,3 +199,91 @@ class _Session:
         if self.waiting == 0:
             self.ready = self.agents.loop.now
             self.next_turn()
+
+
+class _TraceSession:
+    """One session of a replayed trace: its turns at their recorded times, in order."""
+
+    __slots__ = ("agents", "ctx", "i", "ready", "ts")
+
+    def __init__(self, agents: Agents, ts: TraceSession) -> None:
+        self.agents = agents
+        self.ts = ts
+        self.i = 0
+        self.ctx: Context | None = None
+        self.ready = 0.0
+
+    def begin(self) -> None:
+        a = self.agents
+        parent = self.ts.parent
+        if parent is not None and parent not in a.ready:
+            a.waiting_for.setdefault(parent, []).append(self)
+            return
+        if not a._open():
+            self._end()
+            return
+        if parent is None:
+            a.stats.sessions += 1
+        else:
+            a.stats.subagent_sessions += 1
+            self.ctx = a.latest.get(parent)
+        self.ready = a.loop.now
+        self._next()
+
+    def _next(self) -> None:
+        a = self.agents
+        if self.i >= len(self.ts.turns):
+            self._end()
+            return
+        tt = self.ts.turns[self.i]
+        planned = max(tt.t, self.ready)
+        if planned >= a.duration_s:
+            self._end()
+            return
+        a.loop.at(planned, self._send, tt.turn)
+
+    def _send(self, turn: Turn) -> None:
+        a = self.agents
+        if not a._open():
+            self._end()
+            return
+        b = a.builder
+        base = self.ctx
+        if base is None or turn.reset or turn.compaction or len(base) > turn.input_tokens:
+            base = b.empty  # a new context (or one the previous is not a prefix of)
+        new = turn.input_tokens - len(base)
+        prompt = b.extend(base, a._fresh(new))
+        call = Call(
+            f"{turn.session_id}#{turn.turn_index}",
+            turn.session_id,
+            turn.turn_index,
+            turn.is_subagent,
+            prompt,
+            turn.output_tokens,
+            a._fresh(turn.output_tokens),
+            a.loop.now,
+            self._done,
+            new,
+        )
+        a.stats.sent += 1
+        a.inflight += 1
+        a.send(call)
+
+    def _done(self, call: Call) -> None:
+        a = self.agents
+        a.inflight -= 1
+        a.stats.done += 1
+        a.stats.calls.append(call)
+        if call.status != 200:
+            a.stats.failed += 1
+            self._end()
+            return
+        a.latest[self.ts.session_id] = call.ctx
+        a.session_ready(self.ts.session_id)
+        self.ctx = a.builder.extend(call.ctx, call.output)
+        self.ready = a.loop.now
+        self.i += 1
+        self._next()
+
+    def _end(self) -> None:
+        self.agents.session_ready(self.ts.session_id)  # children start from whatever there is

@@ -38,8 +38,6 @@ def load_sim_spec(path: Path, args: argparse.Namespace) -> Any:
         w["duration_s"] = args.duration
     if args.seed is not None:
         w["seed"] = args.seed
-    if w["profile"] == "trace":
-        raise UserError("`llmd simulate` drives a workload profile; workload.profile trace is not supported yet")
     if args.policy is not None and args.policy not in POLICIES:
         raise UserError(f"unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
     try:
@@ -65,7 +63,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise UserError(f"{out} exists already; a run never overwrites another's results")
     try:
         sim = Simulation(spec, out_dir=out, policy=args.policy, params=params, run_id=run_id)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # TraceError is a ValueError naming the file and line
         raise UserError(f"cannot simulate {args.spec}: {exc}") from exc
     n_ranks = len(sim.fleet.ranks)
     print(

@@ -94,7 +94,18 @@ class Simulation:
             round(tuning.chunk_chars / tuning.chars_per_token),
             vocab,
         )
-        workload = profile_from_spec(spec.workload, run_id=run_id)
+        w = spec.workload
+        self.trace = None
+        if w.profile == "trace":
+            from llmd.workload.trace import read_trace, trace_sessions
+
+            if not w.trace_path:
+                raise ValueError("workload.profile is trace but workload.trace_path is not set")
+            # Token counts of a trace's text: ~4 characters a token (no tokenizer is loaded to simulate).
+            turns = read_trace(w.trace_path, context_scale=w.context_scale, time_scale=w.time_scale)
+            self.trace = trace_sessions(turns, str(w.trace_path))
+            w = w.model_copy(update={"profile": "smoke"})  # the profile only seeds and salts a replayed run
+        workload = profile_from_spec(w, run_id=run_id)
         self.duration_s = float(spec.workload.duration_s)
         self.agents = Agents(loop, workload, builder, self._send, self.duration_s)
         self.inflight: set[Call] = set()
@@ -139,7 +150,10 @@ class Simulation:
         stats = SimStats()
         wall0 = time.perf_counter()
         self._scrape()
-        self.agents.start()
+        if self.trace is not None:
+            self.agents.replay(self.trace)
+        else:
+            self.agents.start()
         end = self.duration_s + self.params.stop_grace_s
         t = 0.0
         try:
