@@ -207,3 +207,20 @@ def test_trace_replay_keeps_times_order_and_forks(tmp_path: Path) -> None:
     spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"trace_path": str(bad)})})
     with pytest.raises(ValueError, match="line 1: field 't'"):
         Simulation(spec, run_id="tr")
+
+
+def test_calibration_recovers_the_efficiency_that_produced_a_measurement() -> None:
+    """Fit once, then predict: a rate measured with the GPU at 0.3x its datasheet efficiencies is fitted back to a
+    factor near 0.3, and a target no efficiency can reach is refused, naming the range it could."""
+    from llmd.perf import get_gpu
+    from llmd.sim.calibrate import calibrate, run_with_factors, scaled_factors
+
+    spec = embedded_spec(12.0)
+    gpu = get_gpu(spec.engine.gpu)
+    measured = run_with_factors(spec, scaled_factors(gpu, 0.3), 4.0, run_id="m").requests_per_min
+    best, trials = calibrate(spec, measured, warmup_s=4.0, lo=0.1, hi=1.0, tolerance=0.03, run_id="m")
+    assert abs(best.requests_per_min - measured) <= 0.03 * measured and 0.2 < best.scale < 0.45
+    assert best.factors["mfu"] == pytest.approx(gpu.mfu * best.scale) and len(trials) <= 10
+    assert get_gpu(spec.engine.gpu) == gpu  # the trials' factors do not leak into later runs
+    with pytest.raises(UserError, match="outside what efficiency scale"):
+        calibrate(spec, measured * 10, warmup_s=4.0, lo=0.5, hi=1.0, run_id="m")

@@ -57,10 +57,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     spec = load_sim_spec(Path(args.spec), args)
     params = SimParams.load(args.params) if args.params else SimParams()
+    for folder in args.perf_dir or ():
+        from llmd.perf import add_profile_dir
+
+        add_profile_dir(folder)  # a calibration's efficiency.yaml, or the user's own GPU and model profiles
     run_id = time.strftime("sim-%Y%m%d-%H%M%S")
     out = Path(args.output) / run_id
     if out.exists():
         raise UserError(f"{out} exists already; a run never overwrites another's results")
+    if args.calibrate is not None:
+        return _calibrate(spec, args, params, out)
     try:
         sim = Simulation(spec, out_dir=out, policy=args.policy, params=params, run_id=run_id)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError naming the file and line
@@ -110,6 +116,32 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 130 if stats.interrupted else 0
 
 
+def _calibrate(spec: Any, args: argparse.Namespace, params: Any, out: Path) -> int:
+    from llmd.perf import dump_efficiency
+    from llmd.sim.calibrate import calibrate
+
+    if not args.calibrate > 0:
+        raise UserError(f"--calibrate takes the measured requests per minute (> 0), got {args.calibrate:g}")
+    duration = float(spec.workload.duration_s)
+    warmup = args.warmup if args.warmup is not None else duration / 4
+    if not 0 <= warmup < duration:
+        raise UserError(f"--warmup must be in [0, duration {duration:g} s), got {warmup:g}")
+    print(f"calibrating {spec.engine.gpu} efficiencies of {spec.name} to {args.calibrate:,.0f} requests/min "
+          f"(steady state after {warmup:g} s of {duration:g} s)")  # fmt: skip
+
+    def show(t: Any) -> None:
+        f = ", ".join(f"{k} {v:.3f}" for k, v in t.factors.items())
+        print(f"  scale {t.scale:.3f} ({f}): {t.requests_per_min:,.0f} requests/min, {t.preemptions} preemptions "
+              f"[{t.stats.wall_s:.0f} s]")  # fmt: skip
+
+    best, _ = calibrate(spec, args.calibrate, warmup_s=warmup, on_trial=show, policy=args.policy, params=params)
+    out.mkdir(parents=True)
+    path = dump_efficiency(out / "efficiency.yaml", spec.engine.gpu, best.factors)
+    print(f"fitted scale {best.scale:.3f}: {best.requests_per_min:,.0f} requests/min; frozen in {path}")
+    print(f"predict with it: llmd simulate SPEC --perf-dir {out}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
@@ -124,4 +156,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="workload seed (default: workload.seed)")
     p.add_argument("--output", default="results", help="results folder (default results/)")
     p.add_argument("--params", type=Path, help="YAML file of simulator parameters (llmd/sim/params.py)")
+    p.add_argument(
+        "--perf-dir",
+        action="append",
+        type=Path,
+        help="profile folder (gpus.yaml, models.yaml, efficiency.yaml) over the built-ins; repeatable",
+    )
+    p.add_argument(
+        "--calibrate",
+        type=float,
+        metavar="RPM",
+        help="fit the GPU's efficiency factors to this measured requests/min and write them to OUTPUT/<run>/",
+    )
+    p.add_argument("--warmup", type=float, help="with --calibrate: seconds before the steady state is measured")
     p.set_defaults(func=run_simulate)
