@@ -224,3 +224,28 @@ def test_calibration_recovers_the_efficiency_that_produced_a_measurement() -> No
     assert get_gpu(spec.engine.gpu) == gpu  # the trials' factors do not leak into later runs
     with pytest.raises(UserError, match="outside what efficiency scale"):
         calibrate(spec, measured * 10, warmup_s=4.0, lo=0.5, hi=1.0, run_id="m")
+
+
+def test_ablations_switch_off_one_capability_on_the_same_gpus() -> None:
+    from llmd.sim.ablations import ABLATIONS, ablated
+    from llmd.spec import load_spec
+
+    spec = load_spec(ROOT / "examples" / "glm52-544gpu.yaml")
+
+    def gpus(s: object) -> int:
+        return sum(p.nodes * p.gpus_per_node for p in s.pools.values())  # type: ignore[attr-defined]
+
+    off = {name: ablated(spec, name) for name in ABLATIONS}
+    assert all(gpus(s) == gpus(spec) == 544 for s in off.values())
+    assert off["precise routing"].router.policy == "approximate" and off["CPU tier"].kv.cpu_bytes == 0
+    assert off["P2P pulls"].router.p2p is False and off["MTP"].mtp.draft_tokens == 0
+    assert not off["P/D over NIXL"].disaggregated and off["P/D over NIXL"].decode.nodes == 68
+    tp = off["wide EP + DP attention"]
+    assert (tp.decode.tp_size, tp.decode.dp_size, tp.decode.ep) == (16, 1, False)
+    # Each differs from the full deployment in its own section only.
+    for name, s in off.items():
+        changed = {k for k in ("router", "kv", "mtp", "prefill", "decode") if getattr(s, k) != getattr(spec, k)}
+        assert changed and changed <= {"router", "kv", "mtp", "prefill", "decode"}
+        assert len(changed) == (2 if name in ("wide EP + DP attention", "P/D over NIXL") else 1), name
+    with pytest.raises(UserError, match="unknown capability 'FP4'"):
+        ablated(spec, "FP4")
