@@ -264,6 +264,24 @@ def test_a_request_waits_for_its_prefix_holder_until_the_patience_runs_out() -> 
             assert turn.flight is not None and turn.flight.target.name == other
 
 
+def test_a_holder_is_waited_for_longer_while_other_requests_wait_too() -> None:
+    """A saturated fleet: two sessions' holder is full; each request alone would wait 0.2 s for it, but while the
+    other waits too a recompute elsewhere would delay it as well, so each waits twice as long. When the holder frees,
+    the first goes there, and the second, alone in the queue now and past its own patience, goes to the free pod."""
+    core = make_core([pod("e0"), pod("e1")], max_inflight=1)
+    for s in (1, 2):
+        core.index.store(("e0", 0), list(job(s, 250).req.block_hashes))
+    blocker = admitted(core, job("z", excluded={"e1"}), 0.0)
+    t1, t2 = job(1, 260), job(2, 260)
+    assert core.submit(t1, 0.0) == [] and core.next_wakeup() == pytest.approx(0.201, abs=0.01)
+    assert core.submit(t2, 0.0) == []
+    assert core.pump(0.25) == []  # alone, t1 would have left for e1 by now
+    assert core.next_wakeup() == pytest.approx(0.401, abs=0.01)
+    assert core.complete(blocker, 0.3) == [t1, t2]
+    assert t1.flight is not None and t1.flight.target.name == "e0" and t1.flight.decision.reason == "prefix-hit"
+    assert t2.flight is not None and t2.flight.target.name == "e1"
+
+
 def test_kv_admission_holds_a_request_until_kv_frees_and_counts_a_cached_shared_prefix_once() -> None:
     """100 blocks of 16 tokens (99 usable): two forks of a cached 60-block context fit together, since the engine
     holds the shared blocks once; a third session's request waits although slots are free."""

@@ -590,6 +590,23 @@ def test_full_prefix_holder_is_waited_for_while_that_saves_prefill_time() -> Non
     assert fast.schedule(request(h), snap(states), ix).wait_s == pytest.approx(saves / 2, rel=0.01)
 
 
+def test_a_saturated_fleet_waits_longer_for_the_prefix_holder() -> None:
+    """While other requests wait for room too, a recompute elsewhere delays each of them by its prefill time: the
+    holder is worth (1 + queued) times the saved prefill time of waiting."""
+    ix = KVIndex()
+    h = blocks(50, 1)
+    saves = 50 * BS / 20_000
+    ix.store(A.holder, h)
+    states = {A: EndpointState(inflight=64), B: IDLE}
+    sched = Scheduler(spec(p2p=False))
+    assert sched.schedule(request(h), snap(states), ix, queued=3).wait_s == pytest.approx(4 * saves, rel=0.01)
+    # Past the quiet fleet's patience, still waiting while three others wait...
+    d = sched.schedule(request(h), snap(states), ix, waited_s=2 * saves, queued=3)
+    assert d.target == A and d.wait_s == pytest.approx(2 * saves, rel=0.01)
+    # ...and gone elsewhere when nobody else does.
+    assert sched.schedule(request(h), snap(states), ix, waited_s=2 * saves, queued=0).target == B
+
+
 # --- speculative co-location ----------------------------------------------------------------------------------------
 
 

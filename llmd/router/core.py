@@ -174,7 +174,7 @@ class RouterCore:
         q = self.queue
         queued = q.waiting
         if not queued:  # requests wait while others wait: no overtaking the queue
-            flight = self._choose(job, now)
+            flight = self._choose(job, now, 0)
             if flight is not None:
                 q.admitted += 1
                 job.flight = flight
@@ -194,7 +194,9 @@ class RouterCore:
         if self._wake_at is not None and now >= self._wake_at:
             self._wake_at = None
         out = []
-        for job, got in self.queue.pump(lambda j: self._choose(j, now), self._alive):
+        q = self.queue
+        # A pumped job is still counted in the queue while it is decided: the others are one fewer.
+        for job, got in q.pump(lambda j: self._choose(j, now, q.waiting - 1), self._alive):
             if isinstance(got, Exception):
                 job.error = got
             else:
@@ -278,8 +280,9 @@ class RouterCore:
             )
         return Snapshot(states, now)
 
-    def _choose(self, job: Job, now: float) -> Flight | None:
-        """The scheduling decision, taken only when its target has room (else None: wait)."""
+    def _choose(self, job: Job, now: float, others: int) -> Flight | None:
+        """The scheduling decision, taken only when its target has room (else None: wait). `others`: requests
+        waiting besides this one (how saturated the fleet is, for the scheduler's holder patience)."""
         req = job.req
         hashes = req.block_hashes or req.text_chunk_hashes
         if req.block_hashes:
@@ -309,7 +312,9 @@ class RouterCore:
             if not any(ep.role != "prefill" for ep in snap.states):
                 raise NoEndpointError("no healthy decode endpoint")
             return None  # every one full (slots or KV): wait without paying for a scoring pass
-        d = self.scheduler.schedule(req, snap, cast("KVIndex", index), now, waited_s=now - job.queued_at)
+        d = self.scheduler.schedule(
+            req, snap, cast("KVIndex", index), now, waited_s=now - job.queued_at, queued=max(0, others)
+        )
         target = self._pods.get(d.target.pod)
         if target is None:
             return None

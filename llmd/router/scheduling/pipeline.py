@@ -94,8 +94,9 @@ class Tuning:
     p2p_load_ratio: a P2P target's in-flight + waiting must be at most this share of the holder's.
     token_budget: tokens per chunked-prefill step (vLLM's max_num_batched_tokens), for the queue-aware estimates.
     holder_patience: a prefix holder without room (slots or KV) stays a candidate while the request has waited less
-    than the prefill time its hit saves over the best endpoint with room (delay scheduling: waiting for the holder
-    beats recomputing the prefix elsewhere, and evicting other sessions' prefixes there to make room for it).
+    than the prefill time its hit saves over the best endpoint with room, times (1 + the requests queued besides it)
+    (delay scheduling: waiting for the holder beats recomputing the prefix elsewhere, and evicting other sessions'
+    prefixes there to make room for it; in a saturated fleet that recompute delays everyone queued).
     time_scale: wall seconds per model second (simulated engines may run faster or slower than real time), for
     comparing model times with the wall-clock time a request has waited.
     """
@@ -217,12 +218,14 @@ class Scheduler:
         index: KVIndex | None = None,
         now: float = 0.0,
         waited_s: float = 0.0,
+        queued: int = 0,
     ) -> Decision:
         """Choose the decode endpoint, and the prefill endpoint or P2P source if any. Raises NoEndpointError when no
         healthy decode-capable endpoint exists. Reads `index`; advances the scheduler's RNG and round-robin position
         and notes the chosen endpoints' KV capacity (learning from the decision is `observe_routed`'s job).
         `waited_s`: how long the request has waited for room so far; a target without room comes with `wait_s`, how
-        much longer it is worth waiting for (the caller holds the request meanwhile and asks again)."""
+        much longer it is worth waiting for (the caller holds the request meanwhile and asks again). `queued`: other
+        requests waiting for room in the caller's queue (the fleet is saturated while there are any)."""
         cfg = self.config
         role_ok = filters.routable(snapshot.candidates, "decode")
         if not role_ok:
@@ -238,7 +241,7 @@ class Scheduler:
             cands = filters.has_capacity(cands, cfg.max_inflight_per_pod)
             cands = filters.kv_room(cands, req.kv_tokens, req.block_size)
             if len(cands) < len(role_ok) and self.tuning.holder_patience and self.policy in _SCORING:
-                cands, patience = self._patient(role_ok, cands, by, waited_s)
+                cands, patience = self._patient(role_ok, cands, by, waited_s, queued)
         if self.affinity > 0 and self.policy in _SCORING and len(cands) > 1:
             ttft = [self.decode_model.prefill_time(c.state.inflight_tokens) * self.tuning.time_scale for c in cands]
             scores = prefix_scores(hits, cands, self.gpu_w, self.cpu_w)
@@ -290,12 +293,19 @@ class Scheduler:
         room: Sequence[Candidate],
         by: Mapping[Holder, PrefixHit],
         waited_s: float,
+        queued: int = 0,
     ) -> tuple[list[Candidate], dict[Holder, float]]:
         """`room` (a strict subset of `role_ok`: called only when some endpoint lacks room and another has it) plus
-        the endpoints without room whose cached prefix of this request still pays to wait for: the prefill time the
-        extra hit saves over the best endpoint with room, less what the request has waited already. Sending it
-        elsewhere recomputes that prefix there (and evicts other sessions' prefixes to hold it), while the holder
-        frees room as its requests finish. Returns the candidates and each waiting one's remaining patience."""
+        the endpoints without room whose cached prefix of this request still pays to wait for, less what the request
+        has waited already. Sending it elsewhere recomputes that prefix there (and evicts other sessions' prefixes to
+        hold it), while the holder frees room as its requests finish.
+
+        What the recompute costs is the prefill time the extra hit saves over the best endpoint with room, paid once
+        by this request when the fleet has room to spare. When `queued` other requests wait for room too, the fleet
+        is saturated: GPU time is what everyone waits for, and a redundant prefill delays each of them by as much, so
+        it costs (1 + queued) times that. (Measured with llmd's cluster simulator on benchmarks/routing_fleet.py's
+        fleet, three seeds: at 2x KV pressure hit share 0.43 -> 0.50, req/s +4%; with a CPU tier 0.53 -> 0.73,
+        req/s +11%; at 1x unchanged.) Returns the candidates and each waiting one's remaining patience."""
         in_room = {c.endpoint for c in room}
         best_room = max((h.tokens for c in room if (h := by.get(c.endpoint.holder))), default=0)
         scale = self.tuning.time_scale
@@ -309,7 +319,7 @@ class Scheduler:
             saved = (h.tokens if h is not None else 0) - best_room
             if saved <= 0:
                 continue
-            left = self.decode_model.prefill_time(saved, best_room) * scale - waited_s
+            left = self.decode_model.prefill_time(saved, best_room) * (1 + queued) * scale - waited_s
             if left > 0:
                 keep.append(c)
                 patience[c.endpoint.holder] = left
