@@ -249,3 +249,37 @@ def test_ablations_switch_off_one_capability_on_the_same_gpus() -> None:
         assert len(changed) == (2 if name in ("wide EP + DP attention", "P/D over NIXL") else 1), name
     with pytest.raises(UserError, match="unknown capability 'FP4'"):
         ablated(spec, "FP4")
+
+
+def test_simulation_agrees_with_the_live_demo() -> None:
+    """Fidelity against llmd's own live stack: the default demo's deployment and workload at 3x time for 60 s, run
+    live (simulated engines, the router and the load generator in this process, real HTTP on 127.0.0.1) and simulated
+    with that process's CPU costs (llmd/sim/data/llmd-demo.yaml). The live side is one noisy run on a shared
+    machine: requests and the engines' hit share agree within the issue's 5%; TTFT within 20% (benchmarks/cluster_sim.py
+    reports the errors against the 10% target)."""
+    import asyncio
+
+    from llmd import demo
+
+    spec = embedded_spec(60.0)
+    spec = spec.model_copy(
+        update={
+            "engine": spec.engine.model_copy(update={"time_scale": 3.0}),
+            "workload": spec.workload.model_copy(update={"time_scale": 3.0}),
+        }
+    )
+    params = SimParams.load(ROOT / "llmd" / "sim" / "data" / "llmd-demo.yaml")
+    sim = Simulation(spec, params=params, run_id="fidelity").run()
+    out = Path(__import__("tempfile").mkdtemp())
+    run = demo.PolicyRun("precise", out / "live", out / "live" / "metrics.h5")
+    asyncio.run(demo._run_all(spec, [run], demo._model_dir(spec, False), "fidelity"))
+    live = summarize_frames(read_requests(run.metrics), read_timeseries(run.metrics), label="live")
+
+    def err(a: float, b: float) -> float:
+        return abs(a - b) / b
+
+    assert live.errors == 0 and sim.errors == 0
+    assert err(sim.requests, live.requests) <= 0.05, (sim.requests, live.requests)
+    assert err(sim.hit_share_gpu, live.hit_share_gpu) <= 0.05, (sim.hit_share_gpu, live.hit_share_gpu)
+    assert err(sim.ttft_p50_s, live.ttft_p50_s) <= 0.2, (sim.ttft_p50_s, live.ttft_p50_s)
+    assert err(sim.ttft_p90_s, live.ttft_p90_s) <= 0.2, (sim.ttft_p90_s, live.ttft_p90_s)

@@ -31,7 +31,7 @@ class SimParams:
     # chunk, per /metrics scrape. The defaults are llmd's router process on a cluster (benchmarks/router.py: ~1,000
     # requests/s on one core, tokenization incremental); engine API servers and the agents are not modeled (0).
     client_cpu_s: float = 0.0
-    client_cpu_per_token_s: float = 0.0  # per token a turn adds (the client writes and counts its new text)
+    client_cpu_per_token_s: float = 0.0  # per token the client writes: a session's whole first prompt, then new text
     router_cpu_s: float = 0.001
     router_cpu_per_token_s: float = 0.0  # per token a turn adds (incremental tokenization)
     engine_cpu_s: float = 0.0

@@ -112,7 +112,10 @@ class SimRouter:
         """The client sends `call` now (after its own CPU time, where it has a process here)."""
         if self.client_host is not None:
             p = self.params
-            self.client_host.run(p.client_cpu_s + p.client_cpu_per_token_s * call.new_tokens, self._to_router, call)
+            # A session's first prompt is written whole (a sub-agent's inherits its parent's messages); later turns
+            # append their new text.
+            written = len(call.ctx) if call.turn == 0 else call.new_tokens
+            self.client_host.run(p.client_cpu_s + p.client_cpu_per_token_s * written, self._to_router, call)
         else:
             self._to_router(call)
 
