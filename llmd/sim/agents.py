@@ -52,6 +52,7 @@ class Agents:
         self.duration_s = duration_s
         self.stats = AgentStats()
         self.inflight = 0
+        self.live = 0  # agents (or trace sessions) not finished: the run may end early when none is left
         salt = workload.salt
         self._seed_base = int.from_bytes(
             hashlib.sha256(f"llmd-sim:{workload.seed}:{salt}".encode()).digest()[:8], "big"
@@ -68,9 +69,15 @@ class Agents:
         )
 
     def start(self) -> None:
+        self.live = self.workload.profile.agents
         for a in range(self.workload.profile.agents):
             it = self.workload.agent_sessions(a)
             self.loop.at(0.0, self._next_session, it)
+
+    @property
+    def done(self) -> bool:
+        """Every agent has run all its sessions (profiles with a fixed number of them, a trace)."""
+        return self.live == 0
 
     def replay(self, sessions: list[TraceSession]) -> None:
         """Replay a trace instead of the profile's agents (llmd.workload.trace): each session starts at its first
@@ -84,6 +91,7 @@ class Agents:
         for ts in sessions:
             if ts.start >= self.duration_s:
                 break  # sorted by start: the rest start later still
+            self.live += 1
             self.loop.at(ts.start, _TraceSession(self, ts).begin)
 
     def session_ready(self, sid: str) -> None:
@@ -98,10 +106,9 @@ class Agents:
         return self.loop.now < self.duration_s
 
     def _next_session(self, sessions: Iterator[SessionPlan]) -> None:
-        if not self._open():
-            return
-        plan = next(sessions, None)
+        plan = next(sessions, None) if self._open() else None
         if plan is None:
+            self.live -= 1
             return
         self.stats.sessions += 1
         _Session(self, plan, None, lambda: self._next_session(sessions)).next_turn()
@@ -286,4 +293,5 @@ class _TraceSession:
         self._next()
 
     def _end(self) -> None:
+        self.agents.live -= 1
         self.agents.session_ready(self.ts.session_id)  # children start from whatever there is

@@ -52,6 +52,7 @@ class SimStats:
     p2p_lookups: int = 0
     cpu_restores: int = 0
     cpu_restore_mean_s: float = math.nan
+    makespan_s: float = math.nan  # when the last successful request ended (a fixed batch of sessions: its duration)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -165,7 +166,7 @@ class Simulation:
                 if progress is not None:
                     stats.sim_s, stats.events, stats.wall_s = t, loop.events, time.perf_counter() - wall0
                     progress(t, stats)
-                if t >= self.duration_s and not self.inflight:
+                if not self.inflight and (t >= self.duration_s or self.agents.done):
                     break
         except KeyboardInterrupt:
             stats.interrupted = True
@@ -203,6 +204,8 @@ class Simulation:
         queue = [c.admitted - c.parsed for c in ok if c.admitted is not None]
         if ttft:
             s.ttft_p50_s, s.ttft_p90_s = (float(v) for v in np.percentile(ttft, [50, 90]))
+        if ok:
+            s.makespan_s = max(c.done_time or 0.0 for c in ok)
         if queue:
             s.queue_p90_s = float(np.percentile(queue, 90))
         q = h = hg = 0
