@@ -1,0 +1,204 @@
+"""Calibrate once, then predict: the cluster simulator on the published 544-GPU GLM-5.2 deployment.
+
+1. calibrate: examples/glm52-544gpu.yaml with 2,500 automationbench agents for 15 simulated minutes; the H100's
+   efficiency factors fitted so the steady requests/min (after the warm-up) is AutomationBench's 7,612; frozen in
+   llmd/sim/data/calibration-automationbench/efficiency.yaml.
+2. predict, without retuning (that file loaded): AutomationBench at 3,000 agents; CyberGym (400 agents, 376K-character
+   ~94K-token contexts, 10 turns) under precise and under approximate routing; AgentX (128 agents, ~195K-token
+   contexts, 15 minutes).
+3. ablate: the six capabilities switched off one at a time at the 2,500-agent point (llmd/sim/ablations.py).
+Writes results/sim-predictions/{calibration,predictions,ablations}.json, ablations.png, and prints the tables
+docs/simulator.md holds. Runs go in parallel on the local cores. `python scripts/sim_predictions.py [--only STEP]
+[--duration S] [--skip-calibration]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+AB_TARGET_RPM = 7612.0  # AutomationBench at 2,500 agents: 7,612 requests/min (134.89M input, 6.05M output tokens/min)
+AB_INPUT_TPM = 134.89e6
+AB_OUTPUT_TPM = 6.05e6
+CALIBRATION_DIR = ROOT / "llmd" / "sim" / "data" / "calibration-automationbench"
+OUT = ROOT / "results" / "sim-predictions"
+
+
+def base_spec(profile: str, agents: int, duration_s: float, policy: str | None = None) -> Any:
+    from llmd.spec import load_spec
+
+    spec = load_spec(ROOT / "examples" / "glm52-544gpu.yaml")
+    params = {"agents": agents}
+    w = spec.workload.model_copy(
+        update={"profile": profile, "concurrency": agents, "duration_s": duration_s, "seed": 1, "params": params}
+    )
+    spec = spec.model_copy(update={"workload": w})
+    if policy is not None:
+        spec = spec.model_copy(update={"router": spec.router.model_copy(update={"policy": policy})})
+    return spec
+
+
+def run(name: str, spec: Any, warmup_s: float, calibrated: bool) -> dict[str, Any]:
+    """One simulation in a worker: its figures as a dict (steady rates measured after `warmup_s`)."""
+    from llmd.perf import add_profile_dir
+    from llmd.sim.calibrate import steady_rate
+    from llmd.sim.run import Simulation
+
+    if calibrated:
+        add_profile_dir(CALIBRATION_DIR)
+    t0 = time.perf_counter()
+    sim = Simulation(spec, run_id=name)
+    st = sim.run()
+    end = min(st.sim_s, float(spec.workload.duration_s))
+    ok = [c for c in sim.calls if c.status == 200 and c.done_time is not None and warmup_s <= c.done_time < end]
+    span = max(end - warmup_s, 1e-9)
+    out = asdict(st)
+    out.update(
+        name=name,
+        wall_s=time.perf_counter() - t0,
+        steady_rpm=steady_rate(sim.calls, warmup_s, end) if end > warmup_s else math.nan,
+        input_tpm=sum(len(c.ctx) for c in ok) * 60 / span,
+        output_tpm=sum(c.output_tokens for c in ok) * 60 / span,
+        requests_per_min=st.requests_per_min,
+    )
+    return out
+
+
+def calibrate(duration_s: float, warmup_s: float) -> dict[str, Any]:
+    from llmd.perf import dump_efficiency, reset_profiles
+    from llmd.sim.calibrate import calibrate as fit
+
+    spec = base_spec("automationbench", 2500, duration_s)
+
+    def show(t: Any) -> None:
+        print(f"  scale {t.scale:.3f}: {t.requests_per_min:,.0f} requests/min [{t.stats.wall_s:.0f} s]", flush=True)
+
+    reset_profiles()
+    best, trials = fit(spec, AB_TARGET_RPM, warmup_s=warmup_s, on_trial=show, run_id="calibration")
+    CALIBRATION_DIR.mkdir(parents=True, exist_ok=True)
+    dump_efficiency(CALIBRATION_DIR / "efficiency.yaml", spec.engine.gpu, best.factors)
+    return {
+        "target_rpm": AB_TARGET_RPM,
+        "scale": best.scale,
+        "factors": best.factors,
+        "fitted_rpm": best.requests_per_min,
+        "preemptions": best.preemptions,
+        "trials": [{"scale": t.scale, "rpm": t.requests_per_min, "preemptions": t.preemptions} for t in trials],
+    }
+
+
+def predictions(duration_s: float, warmup_s: float, workers: int) -> list[dict[str, Any]]:
+    jobs = [
+        ("AutomationBench, 3,000 agents", base_spec("automationbench", 3000, duration_s), warmup_s),
+        ("CyberGym, 400 agents, precise", base_spec("cybergym", 400, 7200.0, "precise"), 0.0),
+        ("CyberGym, 400 agents, approximate", base_spec("cybergym", 400, 7200.0, "approximate"), 0.0),
+        ("AgentX, 128 agents", base_spec("agentx", 128, 900.0), 0.0),
+    ]
+    with ProcessPoolExecutor(workers) as pool:
+        futs = [pool.submit(run, name, spec, w, True) for name, spec, w in jobs]
+        return [f.result() for f in futs]
+
+
+def ablations(duration_s: float, warmup_s: float, workers: int) -> list[dict[str, Any]]:
+    from llmd.sim.ablations import ABLATIONS, ablated
+
+    full = base_spec("automationbench", 2500, duration_s)
+    jobs = [("full deployment", full)] + [(f"without {name}", ablated(full, name)) for name in ABLATIONS]
+    with ProcessPoolExecutor(workers) as pool:
+        futs = [pool.submit(run, name, spec, warmup_s, True) for name, spec in jobs]
+        return [f.result() for f in futs]
+
+
+def _ms(v: float) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1000:,.0f} ms"
+
+
+def prediction_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| scenario | requests/min (or makespan) | TTFT p90 | queue p90 | local prefix-hit share | input served from "
+        "cache | NIXL transfers (MiB each) | CPU-tier restores (mean) | P2P lookups | preemptions |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        rate = f"{r['steady_rpm']:,.0f}" if not math.isnan(r["steady_rpm"]) else "-"
+        if "CyberGym" in r["name"]:
+            rate = f"all sessions in {r['makespan_s'] / 60:,.1f} min ({r['requests_per_min']:,.0f}/min)"
+        restores = f"{r['cpu_restores']:,} ({_ms(r['cpu_restore_mean_s'])})"
+        mib = r["kv_transfer_bytes_mean"] / 2**20 if r["kv_transfers"] else 0
+        lines.append(
+            f"| {r['name']} | {rate} | {_ms(r['ttft_p90_s'])} | {_ms(r['queue_p90_s'])} | {r['hit_share_gpu']:.3f} | "
+            f"{r['cached_input_share']:.3f} | {r['kv_transfers']:,} ({mib:,.0f}) | {restores} | {r['p2p_lookups']:,} | "
+            f"{r['preemptions']:,} |"
+        )
+    return head + "\n".join(lines)
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> str:
+    full = rows[0]
+    head = "| deployment | requests/min | vs full | TTFT p90 | hit share | preemptions |\n|---|---|---|---|---|---|\n"
+    return head + "\n".join(
+        f"| {r['name']} | {r['steady_rpm']:,.0f} | {r['steady_rpm'] / full['steady_rpm'] - 1:+.1%} | "
+        f"{_ms(r['ttft_p90_s'])} | {r['hit_share_gpu']:.3f} | {r['preemptions']:,} |"
+        for r in rows
+    )
+
+
+def ablation_figure(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = rows[0]
+    names = [r["name"].removeprefix("without ") for r in rows[1:]]
+    rpm = [1 - r["steady_rpm"] / full["steady_rpm"] for r in rows[1:]]
+    ttft = [r["ttft_p90_s"] / full["ttft_p90_s"] for r in rows[1:]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.barh(names, [100 * x for x in rpm])
+    a.set_xlabel("requests/min lost without it (%)")
+    b.barh(names, ttft)
+    b.axvline(1.0, color="k", lw=0.8)
+    b.set_xlabel("TTFT p90 without it / with it")
+    fig.suptitle("What each capability buys: glm52-544gpu, 2,500 AutomationBench agents (simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("calibrate", "predict", "ablate"))
+    ap.add_argument("--duration", type=float, default=900.0, help="simulated seconds of the closed-loop runs")
+    ap.add_argument("--warmup", type=float, help="seconds before steady rates are measured (default: a quarter)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args()
+    warmup = a.warmup if a.warmup is not None else a.duration / 4
+    OUT.mkdir(parents=True, exist_ok=True)
+    if a.only in (None, "calibrate"):
+        cal = calibrate(a.duration, warmup)
+        (OUT / "calibration.json").write_text(json.dumps(cal, indent=1) + "\n")
+        print(f"calibrated: scale {cal['scale']:.3f} {cal['factors']} -> {cal['fitted_rpm']:,.0f} requests/min")
+    if a.only in (None, "predict"):
+        rows = predictions(a.duration, warmup, a.workers)
+        (OUT / "predictions.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+        print(prediction_table(rows))
+    if a.only in (None, "ablate"):
+        rows = ablations(a.duration, warmup, a.workers)
+        (OUT / "ablations.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+        ablation_figure(rows, OUT / "ablations.png")
+        print(ablation_table(rows))
+
+
+if __name__ == "__main__":
+    main()
