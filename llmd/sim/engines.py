@@ -9,13 +9,17 @@ side channel) happens here as events on the loop.
 from __future__ import annotations
 
 import zlib
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.engines.sim.core import EngineCore, PullTask, RequestOutput, StepResult
+from llmd.engines.sim.decode_run import DecodeRun
 from llmd.engines.sim.request import SimRequest
 from llmd.engines.sim.server_config import SimServerConfig
 from llmd.perf.latency import LatencyModel
@@ -25,6 +29,10 @@ from llmd.sim.params import SimParams
 from llmd.spec.layout import engine_endpoints
 
 OutputSink = Callable[[RequestOutput, float], None]
+
+# Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run is cut at the next arrival,
+# pull or release anyway, and the steps planned past that are work thrown away.
+MAX_RUN_STEPS = 256
 
 
 @dataclass(slots=True)
@@ -53,7 +61,11 @@ class SimRank:
         self.sinks: dict[str, OutputSink] = {}
         self.busy = False
         self.steps = 0
+        self.runs = 0  # decode fast-forward runs (their steps count in `steps`)
         self._expiry_armed: float | None = None
+        self._run: DecodeRun | None = None
+        self._run_ends: list[float] = []  # loop time each step of the run ends
+        self._run_delivered = 0
         st = pod.ranks[rank]
         st.kv_capacity_blocks = core.config.num_gpu_blocks
         st.cpu_capacity_blocks = core.config.num_cpu_blocks
@@ -69,12 +81,14 @@ class SimRank:
 
     def submit(self, req: SimRequest, sink: OutputSink) -> None:
         """The request reaches the engine now (ValueError from the core: the engine refuses it, as with a 400)."""
+        self.interrupt()
         req.arrival_time = self.model_time()
         self.core.add_request(req)
         self.sinks[req.request_id] = sink
         self.kick()
 
     def abort(self, request_id: str) -> None:
+        self.interrupt()
         self.sinks.pop(request_id, None)
         if self.core.abort_request(request_id):
             self.kick()
@@ -87,6 +101,11 @@ class SimRank:
 
     def _step(self) -> None:
         core = self.core
+        if self.fleet.fast_forward:
+            run = core.plan_decode(self.model_time(), MAX_RUN_STEPS)
+            if run is not None:
+                self._start_run(run)
+                return
         result = core.step(self.model_time())
         self.steps += 1
         if result.duration_s <= 0 and not result.outputs and not result.scheduled_tokens:
@@ -115,6 +134,89 @@ class SimRank:
         for task in self.core.pending_pulls():
             self.fleet.start_pull(self, task)
 
+    # ---- decode fast-forward ---------------------------------------------------------------------------------------
+    # A run's steps are carried out on the core lazily: when something outside is about to touch the core or read it
+    # (interrupt / sync), and at the run's end; each step's outputs reach their sinks stamped with that step's end.
+    # Step ends are summed in the order single steps would add them, so the times are the same.
+    def _start_run(self, run: DecodeRun) -> None:
+        self._run = run
+        self.runs += 1
+        scale = self.fleet.time_scale
+        d = run.durations * scale if scale != 1.0 else run.durations
+        self._run_ends = np.cumsum(np.concatenate(((self.loop.now,), d)))[1:].tolist()
+        self._run_delivered = 0
+        self.loop.at(self._run_ends[-1], self._end_run, run, len(run))
+
+    def sync(self) -> None:
+        """Carries out the run's steps begun by now (so the core's state is what single steps would have left) and
+        delivers those that have ended."""
+        run = self._run
+        if run is None:
+            return
+        now = self.loop.now
+        ends = self._run_ends
+        # Step s > 0 begins when step s - 1 ends; one beginning exactly now waits for whatever else happens now.
+        begun = min(1 + bisect_left(ends, now), run.cut)
+        if begun > run.applied:
+            self.steps += begun - run.applied
+            events = self.core.advance(run, begun)
+            if events:
+                self.fleet.publish(self, events)
+        self._deliver_run(min(bisect_right(ends, now), run.applied))
+
+    def interrupt(self) -> None:
+        """Something from outside is about to change the core: the run keeps the steps begun, ending with the one
+        under way."""
+        run = self._run
+        if run is None:
+            return
+        self.sync()
+        j = run.applied
+        if j < run.cut:
+            run.cut = j
+            self.loop.at(self._run_ends[j - 1], self._end_run, run, j)
+
+    def _end_run(self, run: DecodeRun, cut: int) -> None:
+        if run is not self._run or cut != run.cut:
+            return  # an end that an interruption moved earlier
+        if cut > run.applied:
+            self.steps += cut - run.applied
+            events = self.core.advance(run, cut)
+            if events:
+                self.fleet.publish(self, events)
+        self._deliver_run(cut)
+        self._run = None
+        self.busy = False
+        for task in self.core.pending_pulls():
+            self.fleet.start_pull(self, task)
+        self.kick()
+        if not self.busy:
+            self._arm_expiry()
+
+    def _deliver_run(self, upto: int) -> None:
+        """The outputs of the run's steps up to `upto` not delivered yet, each stamped with its step's end."""
+        a = self._run_delivered
+        if upto <= a:
+            return
+        run = self._run
+        assert run is not None
+        self._run_delivered = upto
+        sinks = self.sinks
+        ends = self._run_ends
+        core = self.core
+        if self.fleet.span_outputs:
+            for out in core.decode_outputs(run, a, upto, ends[a:upto]):
+                sink = sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out, ends[upto - 1])
+            return
+        for s in range(a, upto):
+            t = ends[s]
+            for out in core.decode_outputs(run, s, s + 1):
+                sink = sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out, t)
+
     def _arm_expiry(self) -> None:
         """An idle rank still frees leases nobody pulled when they run out (vLLM's kv_lease_duration)."""
         nxt = self.core.next_lease_expiry()
@@ -124,6 +226,7 @@ class SimRank:
 
     def _expire(self) -> None:
         self._expiry_armed = None
+        self.interrupt()
         if self.core.expire_leases(self.model_time()):
             self.publish_pending()
             self.kick()
@@ -137,6 +240,7 @@ class SimRank:
 
     def scrape(self) -> None:
         """What the router's /metrics poll reads: the rank's gauges now."""
+        self.sync()
         s = self.core.scheduler
         st = self.pod.ranks[self.rank]
         st.running = len(s.running)
@@ -158,6 +262,11 @@ class Fleet:
         self.by_holder: dict[tuple[str, int], SimRank] = {}
         self.by_engine_id: dict[str, SimRank] = {}
         self.transfers = TransferStats()
+        # Decode fast-forward (decode_run.py): ranks run stretches of decode-only steps as one event each.
+        self.fast_forward = True
+        # Whether the output sinks take a run's outputs of several steps at once (RequestOutput.step_ends); else one
+        # call per request and step, as single steps make them.
+        self.span_outputs = False
         # Simulated engines run at engine.time_scale wall seconds per model second; the loop keeps wall seconds, so
         # what it predicts is the live run of the same spec (vLLM engines: real time).
         scale = spec.engine.time_scale if engine_kind(spec.engine.kind).simulated else 1.0
@@ -201,6 +310,7 @@ class Fleet:
         src = self.by_engine_id.get(task.remote_engine_id or "")
         ok, tokens, lease = False, 0, task.remote_request_id is not None
         if src is not None and src.pod.healthy:
+            src.sync()  # its prefix cache and leases as of now
             if lease:
                 r = src.core.leases.get(task.remote_request_id or "")
                 expired = (
@@ -224,8 +334,10 @@ class Fleet:
         self, puller: SimRank, src: SimRank | None, task: PullTask, ok: bool, tokens: int, seconds: float
     ) -> None:
         t = self.transfers
+        puller.interrupt()
         if task.remote_request_id is not None:
             if src is not None and ok:
+                src.interrupt()
                 src.core.release_lease(task.remote_request_id)
                 src.kick()
             puller.core.finish_pull(task.request_id, ok)
