@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from llmd.router import pd as hops
@@ -20,6 +21,7 @@ from llmd.router.pods import Pod
 from llmd.router.scheduling import Endpoint, EndpointState, NoEndpointError, RouteRequest, Scheduler, Snapshot
 from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
+from llmd.router.scheduling.state import Candidate
 
 if TYPE_CHECKING:
     from llmd.kv.index import KVIndex, PrefixMatch
@@ -77,6 +79,46 @@ class Outcome:
     error: str = ""
 
 
+class _Slot:
+    """One routable endpoint as the snapshot sees it: its engine's gauges and the ledger's Load, and the state last
+    built from them (reused while they stay the same: building a frozen EndpointState costs more than comparing)."""
+
+    __slots__ = ("cand", "ep", "gauges", "held", "held_at", "key", "load", "pod")
+
+    def __init__(self, ep: Endpoint, pod: Pod, load: Load) -> None:
+        self.ep = ep
+        self.pod = ep.pod
+        self.gauges = pod.ranks[ep.dp_rank]
+        self.load = load
+        self.key: tuple[Any, ...] | None = None
+        self.cand: Candidate | None = None
+        # The request units in flight here (InflightKV.held_prefix) as of the last snapshot's request, and the
+        # (snapshot, InflightKV version) it was for.
+        self.held = 0
+        self.held_at: tuple[int, int] = (-1, -1)
+
+
+# The engine gauges an EndpointState copies, read in one call.
+_GAUGES = attrgetter("waiting", "running", "kv_usage", "kv_capacity_blocks", "cpu_capacity_blocks")
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading units two chains share (chained hashes: equal at i means equal before i)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _snapshot_order(slot: _Slot) -> tuple[str, int, str, str]:
+    ep = slot.ep
+    return ep.pod, ep.dp_rank, ep.role, ep.url
+
+
 class _QueriedIndex:
     """The KV index with one query answered already: the snapshot's KV-fit check and the scheduler's prefix hits ask
     the same question of it within one decision."""
@@ -122,8 +164,10 @@ class RouterCore:
         # Approximate routing's characters per token: the tuning's guess, then learned from the engines' usage.
         self.chars_per_token = float(scheduler.tuning.chars_per_token)
         self._pods: dict[str, Pod] = {}  # routable (healthy) pods
-        self._endpoints: list[tuple[Endpoint, Pod, int]] = []
+        self._slots: list[_Slot] = []  # every rank of every routable pod, in Snapshot's order
         self._endpoints_stale = True
+        self._snaps = 0  # snapshots taken with a request's units, and the units of the last one
+        self._last_units: Sequence[int] = ()
         self._done = Rate(now)
         self._wake_at: float | None = None
 
@@ -234,18 +278,20 @@ class RouterCore:
             self._wake_at = at
 
     # ---- the decision ------------------------------------------------------------------------------------------------
-    def _routable(self) -> list[tuple[Endpoint, Pod, int]]:
-        """Every rank of every routable pod as a scheduler Endpoint; rebuilt only when the pod set changes."""
+    def _routable(self) -> list[_Slot]:
+        """Every rank of every routable pod, in the order Snapshot keeps; rebuilt only when the pod set changes."""
         if self._endpoints_stale:
             out = []
+            load = self.ledger.load
             for pod in self._pods.values():
                 info = pod.info
                 for r in range(info.dp_size):
                     ep = Endpoint(info.name, r, info.role, info.url, info.dp_size, info.host)  # type: ignore[arg-type]
-                    out.append((ep, pod, r))
-            self._endpoints = out
+                    out.append(_Slot(ep, pod, load(ep.holder)))
+            out.sort(key=_snapshot_order)
+            self._slots = out
             self._endpoints_stale = False
-        return self._endpoints
+        return self._slots
 
     def snapshot(
         self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | None = None, now: float = 0.0
@@ -256,29 +302,52 @@ class RouterCore:
         cached (None: all of it): shared blocks count once only as far as the engine has them cached
         (InflightKV.shared_tokens)."""
         hashes, unit, _ = kv
-        states = {}
-        load = self.ledger.load
-        for ep, pod, r in self._routable():
-            if ep.pod in excluded:
+        n = len(hashes)
+        upto_of = cached.get if cached is not None else None
+        # Most requests share a long prefix with the one before (every session's system prompt): an endpoint whose
+        # in-flight units stopped short of that common part, and have not changed since, hold the same now.
+        last = self._snaps
+        common = _common_prefix(hashes, self._last_units) if unit else 0
+        if unit:
+            self._snaps += 1
+            self._last_units = hashes
+        cands = []
+        append = cands.append
+        gauges = _GAUGES
+        for slot in self._routable():
+            if excluded and slot.pod in excluded:
                 continue
-            st = pod.ranks[r]
-            ld = load(ep.holder)
-            shared = 0
-            if unit:
-                upto = len(hashes) if cached is None else cached.get(ep.holder, 0)
-                shared = ld.kv.shared_tokens(hashes[:upto], unit) if upto else 0
-            states[ep] = EndpointState(
-                healthy=True,
-                waiting=st.waiting,
-                running=st.running,
-                kv_usage=st.kv_usage,
-                inflight=ld.inflight,
-                inflight_tokens=ld.inflight_tokens,
-                inflight_kv_tokens=ld.kv.tokens - shared,
-                kv_capacity_blocks=st.kv_capacity_blocks,
-                cpu_capacity_blocks=st.cpu_capacity_blocks,
-            )
-        return Snapshot(states, now)
+            ld = slot.load
+            ikv = ld.kv
+            inflight_kv = ikv.tokens
+            if unit and inflight_kv:
+                upto = n if upto_of is None else upto_of(slot.ep.holder, 0)
+                if upto:
+                    if slot.held_at == (last, ikv.version):
+                        held = slot.held if slot.held < common else ikv.held_prefix(hashes, common)
+                    else:
+                        held = ikv.held_prefix(hashes)
+                    slot.held = held
+                    slot.held_at = (last + 1, ikv.version)
+                    inflight_kv -= (held if held < upto else upto) * unit
+            key = (gauges(slot.gauges), ld.inflight, ld.inflight_tokens, inflight_kv)
+            if key != slot.key:
+                slot.key = key
+                (waiting, running, kv_usage, kv_cap, cpu_cap), inflight, inflight_tokens, _ = key
+                state = EndpointState(
+                    healthy=True,
+                    waiting=waiting,
+                    running=running,
+                    kv_usage=kv_usage,
+                    inflight=inflight,
+                    inflight_tokens=inflight_tokens,
+                    inflight_kv_tokens=inflight_kv,
+                    kv_capacity_blocks=kv_cap,
+                    cpu_capacity_blocks=cpu_cap,
+                )
+                slot.cand = Candidate(slot.ep, state)
+            append(slot.cand)
+        return Snapshot.of_ordered(cands, now)  # type: ignore[arg-type]
 
     def _choose(self, job: Job, now: float, others: int) -> Flight | None:
         """The scheduling decision, taken only when its target has room (else None: wait). `others`: requests
