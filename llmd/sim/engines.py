@@ -9,7 +9,7 @@ side channel) happens here as events on the loop.
 from __future__ import annotations
 
 import zlib
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,7 @@ from llmd.spec.layout import engine_endpoints
 
 OutputSink = Callable[[RequestOutput, float], None]
 
-# Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run is cut at the next arrival,
+# Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run ends at the next arrival,
 # pull or release anyway, and the steps planned past that are work thrown away.
 MAX_RUN_STEPS = 256
 
@@ -65,7 +65,8 @@ class SimRank:
         self._expiry_armed: float | None = None
         self._run: DecodeRun | None = None
         self._run_ends: list[float] = []  # loop time each step of the run ends
-        self._run_delivered = 0
+        self._run_done = 0
+        self._run_events: list = []  # KV events of the step under way, carried out early by a sync
         st = pod.ranks[rank]
         st.kv_capacity_blocks = core.config.num_gpu_blocks
         st.cpu_capacity_blocks = core.config.num_cpu_blocks
@@ -135,56 +136,66 @@ class SimRank:
             self.fleet.start_pull(self, task)
 
     # ---- decode fast-forward ---------------------------------------------------------------------------------------
-    # A run's steps are carried out on the core lazily: when something outside is about to touch the core or read it
-    # (interrupt / sync), and at the run's end; each step's outputs reach their sinks stamped with that step's end.
-    # Step ends are summed in the order single steps would add them, so the times are the same.
+    # A run is one event per step where single steps make two: at each step's end the step is carried out on the core,
+    # its outputs go to their sinks and its KV events out, at the times single steps would send them. Something from
+    # outside that reads the core during a step (a scrape, a P2P lookup) or changes it (an arrival, a finished pull, a
+    # released lease) first carries out the step under way, whose state single steps set up when it began; a change
+    # also ends the run with that step. Step ends are summed in the order single steps add them: the same times.
     def _start_run(self, run: DecodeRun) -> None:
         self._run = run
         self.runs += 1
         scale = self.fleet.time_scale
         d = run.durations * scale if scale != 1.0 else run.durations
         self._run_ends = np.cumsum(np.concatenate(((self.loop.now,), d)))[1:].tolist()
-        self._run_delivered = 0
-        self.loop.at(self._run_ends[-1], self._end_run, run, len(run))
+        self._run_done = 0  # steps whose outputs and events have gone out
+        self.loop.at(self._run_ends[0], self._run_step_end, run)
 
     def sync(self) -> None:
-        """Carries out the run's steps begun by now (so the core's state is what single steps would have left) and
-        delivers those that have ended."""
+        """The core as single steps would have left it by now: the run's step under way is carried out."""
         run = self._run
         if run is None:
             return
-        now = self.loop.now
-        ends = self._run_ends
-        # Step s > 0 begins when step s - 1 ends; one beginning exactly now waits for whatever else happens now.
-        begun = min(1 + bisect_left(ends, now), run.cut)
+        # Step s > 0 begins when step s - 1 ends; one that would begin exactly now comes after whatever else happens
+        # now, as the _step event single steps schedule then.
+        begun = min(1 + bisect_left(self._run_ends, self.loop.now), run.cut)
         if begun > run.applied:
             self.steps += begun - run.applied
-            events = self.core.advance(run, begun)
-            if events:
-                self.fleet.publish(self, events)
-        self._deliver_run(min(bisect_right(ends, now), run.applied))
+            self._run_events += self.core.advance(run, begun)
 
     def interrupt(self) -> None:
-        """Something from outside is about to change the core: the run keeps the steps begun, ending with the one
-        under way."""
+        """Something from outside is about to change the core: the run ends with the step under way (or now)."""
         run = self._run
         if run is None:
             return
         self.sync()
-        j = run.applied
-        if j < run.cut:
-            run.cut = j
-            self.loop.at(self._run_ends[j - 1], self._end_run, run, j)
+        if run.applied == self._run_done:
+            self._end_run()
+        else:
+            run.cut = run.applied
 
-    def _end_run(self, run: DecodeRun, cut: int) -> None:
-        if run is not self._run or cut != run.cut:
-            return  # an end that an interruption moved earlier
-        if cut > run.applied:
-            self.steps += cut - run.applied
-            events = self.core.advance(run, cut)
-            if events:
-                self.fleet.publish(self, events)
-        self._deliver_run(cut)
+    def _run_step_end(self, run: DecodeRun) -> None:
+        if run is not self._run:
+            return  # the run ended early
+        s = self._run_done
+        if run.applied <= s:
+            self.steps += s + 1 - run.applied
+            self._run_events += self.core.advance(run, s + 1)
+        self._run_done = s + 1
+        t = self.loop.now
+        sinks = self.sinks
+        for out in self.core.decode_outputs(run, s, s + 1):
+            sink = sinks.get(out.request_id)
+            if sink is not None:
+                sink(out, t)
+        if self._run_events:
+            self.fleet.publish(self, self._run_events)
+            self._run_events = []
+        if s + 1 >= run.cut:
+            self._end_run()
+        else:
+            self.loop.at(self._run_ends[s + 1], self._run_step_end, run)
+
+    def _end_run(self) -> None:
         self._run = None
         self.busy = False
         for task in self.core.pending_pulls():
@@ -192,30 +203,6 @@ class SimRank:
         self.kick()
         if not self.busy:
             self._arm_expiry()
-
-    def _deliver_run(self, upto: int) -> None:
-        """The outputs of the run's steps up to `upto` not delivered yet, each stamped with its step's end."""
-        a = self._run_delivered
-        if upto <= a:
-            return
-        run = self._run
-        assert run is not None
-        self._run_delivered = upto
-        sinks = self.sinks
-        ends = self._run_ends
-        core = self.core
-        if self.fleet.span_outputs:
-            for out in core.decode_outputs(run, a, upto, ends[a:upto]):
-                sink = sinks.get(out.request_id)
-                if sink is not None:
-                    sink(out, ends[upto - 1])
-            return
-        for s in range(a, upto):
-            t = ends[s]
-            for out in core.decode_outputs(run, s, s + 1):
-                sink = sinks.get(out.request_id)
-                if sink is not None:
-                    sink(out, t)
 
     def _arm_expiry(self) -> None:
         """An idle rank still frees leases nobody pulled when they run out (vLLM's kv_lease_duration)."""
@@ -262,11 +249,8 @@ class Fleet:
         self.by_holder: dict[tuple[str, int], SimRank] = {}
         self.by_engine_id: dict[str, SimRank] = {}
         self.transfers = TransferStats()
-        # Decode fast-forward (decode_run.py): ranks run stretches of decode-only steps as one event each.
+        # Decode fast-forward (decode_run.py): stretches of decode-only steps planned at once.
         self.fast_forward = True
-        # Whether the output sinks take a run's outputs of several steps at once (RequestOutput.step_ends); else one
-        # call per request and step, as single steps make them.
-        self.span_outputs = False
         # Simulated engines run at engine.time_scale wall seconds per model second; the loop keeps wall seconds, so
         # what it predicts is the live run of the same spec (vLLM engines: real time).
         scale = spec.engine.time_scale if engine_kind(spec.engine.kind).simulated else 1.0

@@ -100,9 +100,6 @@ class RequestOutput:
     # On a request's first output: prompt tokens it newly wrote to the prefix cache (vLLM's PrefillStats
     # num_cache_creation_tokens: its full cached blocks' tokens, at most the prompt, less what was cached before it).
     num_cache_creation_tokens: int | None = None
-    # Decode fast-forward's outputs of several steps at once (EngineCore.decode_outputs): when each step ended; its
-    # tokens are in new_token_ids, in step order. None: one step's output.
-    step_ends: Sequence[float] | None = None
 
 
 @dataclass(slots=True)
@@ -317,18 +314,13 @@ class EngineCore:
         run.apply(self, steps)
         return self.kv.take_events()
 
-    def decode_outputs(
-        self, run: DecodeRun, a: int, b: int, step_ends: Sequence[float] | None = None
-    ) -> list[RequestOutput]:
-        """Outputs of the carried-out steps a..b-1: one per request and step, as step() gives them (b = a + 1), or,
-        with `step_ends` (each step's end), one per request holding all its tokens of those steps."""
+    def decode_outputs(self, run: DecodeRun, a: int, b: int) -> list[RequestOutput]:
+        """Outputs of the carried-out steps a..b-1, one per request: for b = a + 1 what step() gives for that step."""
         out = []
         for i, r in enumerate(run.requests):
             if r.status != _RUNNING:
                 continue  # aborted meanwhile
-            out.append(
-                RequestOutput(r.request_id, run.tokens(i, a, b), False, None, r.num_cached_tokens, step_ends=step_ends)
-            )
+            out.append(RequestOutput(r.request_id, run.tokens(i, a, b), False, None, r.num_cached_tokens))
         return out
 
     def _emit(
