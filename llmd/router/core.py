@@ -83,19 +83,37 @@ class _Slot:
     """One routable endpoint as the snapshot sees it: its engine's gauges and the ledger's Load, and the state last
     built from them (reused while they stay the same: building a frozen EndpointState costs more than comparing)."""
 
-    __slots__ = ("cand", "ep", "gauges", "held", "held_at", "key", "load", "pod")
+    __slots__ = (
+        "cand",
+        "ep",
+        "gauges",
+        "gauges_seen",
+        "held",
+        "held_exact",
+        "held_snap",
+        "held_version",
+        "inflight_kv",
+        "load",
+        "load_version",
+        "pod",
+    )
 
     def __init__(self, ep: Endpoint, pod: Pod, load: Load) -> None:
         self.ep = ep
         self.pod = ep.pod
         self.gauges = pod.ranks[ep.dp_rank]
         self.load = load
-        self.key: tuple[Any, ...] | None = None
+        # What `cand`'s state was built from: the gauges, the Load's version, the KV in flight less the shared.
+        self.gauges_seen: tuple[Any, ...] | None = None
+        self.load_version = -1
+        self.inflight_kv = -1
         self.cand: Candidate | None = None
-        # The request units in flight here (InflightKV.held_prefix) as of the last snapshot's request, and the
-        # (snapshot, InflightKV version) it was for.
+        # The last snapshot's request units in flight here (InflightKV.held_prefix), exact or a lower bound, and the
+        # snapshot and InflightKV version it was for.
         self.held = 0
-        self.held_at: tuple[int, int] = (-1, -1)
+        self.held_exact = False
+        self.held_snap = -1
+        self.held_version = -1
 
 
 # The engine gauges an EndpointState copies, read in one call.
@@ -323,24 +341,38 @@ class RouterCore:
             if unit and inflight_kv:
                 upto = n if upto_of is None else upto_of(slot.ep.holder, 0)
                 if upto:
-                    if slot.held_at == (last, ikv.version):
-                        held = slot.held if slot.held < common else ikv.held_prefix(hashes, common)
+                    version = ikv.version
+                    if slot.held_snap == last and slot.held_version == version:
+                        lo = slot.held  # held of the last request's units, or a lower bound
+                        known = lo if lo < common else common  # held of this request's, at least
+                        if upto <= known:
+                            held, exact = upto, False  # all the engine has cached is shared: no need to look further
+                            slot.held = known
+                        elif lo < common and slot.held_exact:
+                            held, exact = lo, True
+                        else:
+                            held = slot.held = ikv.held_prefix(hashes, known)
+                            exact = True
                     else:
-                        held = ikv.held_prefix(hashes)
-                    slot.held = held
-                    slot.held_at = (last + 1, ikv.version)
+                        held = slot.held = ikv.held_prefix(hashes)
+                        exact = True
+                    slot.held_exact = exact
+                    slot.held_snap = last + 1
+                    slot.held_version = version
                     inflight_kv -= (held if held < upto else upto) * unit
-            key = (gauges(slot.gauges), ld.inflight, ld.inflight_tokens, inflight_kv)
-            if key != slot.key:
-                slot.key = key
-                (waiting, running, kv_usage, kv_cap, cpu_cap), inflight, inflight_tokens, _ = key
+            g = gauges(slot.gauges)
+            if g != slot.gauges_seen or ld.version != slot.load_version or inflight_kv != slot.inflight_kv:
+                slot.gauges_seen = g
+                slot.load_version = ld.version
+                slot.inflight_kv = inflight_kv
+                waiting, running, kv_usage, kv_cap, cpu_cap = g
                 state = EndpointState(
                     healthy=True,
                     waiting=waiting,
                     running=running,
                     kv_usage=kv_usage,
-                    inflight=inflight,
-                    inflight_tokens=inflight_tokens,
+                    inflight=ld.inflight,
+                    inflight_tokens=ld.inflight_tokens,
                     inflight_kv_tokens=inflight_kv,
                     kv_capacity_blocks=kv_cap,
                     cpu_capacity_blocks=cpu_cap,

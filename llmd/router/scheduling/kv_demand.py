@@ -14,17 +14,14 @@ class InflightKV:
     """`add` when a request is sent to the endpoint, `remove` with the same arguments when it ends; `tokens` is the
     KV those requests can occupy at most."""
 
-    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens", "version")
+    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens", "tokens", "version")
 
     def __init__(self) -> None:
         self._refs: dict[int, tuple[int, int]] = {}  # hash -> (requests holding it, its tokens when first added)
         self._shared_tokens = 0  # distinct prompt units in flight, in tokens
         self._extra_tokens = 0  # partial blocks and outputs
         self.version = 0  # bumped by every add and remove: what a caller remembers of `held_prefix` holds till then
-
-    @property
-    def tokens(self) -> int:
-        return self._shared_tokens + self._extra_tokens
+        self.tokens = 0  # the KV those requests can occupy at most (kept, not computed: read per endpoint per decision)
 
     def add(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
         self.version += 1
@@ -37,6 +34,7 @@ class InflightKV:
             else:
                 refs[h] = (held[0] + 1, held[1])
         self._extra_tokens += extra_tokens
+        self.tokens = self._shared_tokens + self._extra_tokens
 
     def shared_tokens(self, hashes: Sequence[int], unit_tokens: int, upto: int | None = None) -> int:
         """Tokens of `hashes`' leading units (of the first `upto`, default all) already held by requests in flight
@@ -79,6 +77,7 @@ class InflightKV:
             else:
                 refs[h] = (held[0] - 1, held[1])
         self._extra_tokens = max(0, self._extra_tokens - extra_tokens)
+        self.tokens = self._shared_tokens + self._extra_tokens
 
 
 def request_kv(
