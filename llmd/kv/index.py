@@ -354,58 +354,71 @@ class KVIndex:
             self._evict()
 
     def _store_slow(self, hashes: Sequence[int], parent: int | None, bit: int) -> None:
-        # Block by block: known blocks gain the bit and move to the recent end; new ones are appended to the run
-        # whose last block is the previous block. `seg` is that run (the cursor), its tail entry taken out.
+        # Known blocks gain the bit and move to the recent end, a stretch at a time where the request follows a stored
+        # run (a prompt re-stored by another engine: its shared prefix is mostly known); new ones are appended to the
+        # run whose last block is the previous block. `seg` is that run (the cursor), its tail entry taken out.
         where = self._where
+        get = where.get
         setdefault = where.setdefault
         segs = self._segs
         tails = self._tails
         tails_pop = tails.pop
         seg = tails_pop(parent, None)
-        hs: list[int | None] = seg.hashes if seg is not None else []
-        ms: list[int] = seg.masks if seg is not None else []
-        streak = 0
-        for h in hashes:
-            if seg is None:
-                seg = _Seg(self._next_sid)
-                self._next_sid += 1
+        i, n = 0, len(hashes)
+        while i < n:
+            loc = get(hashes[i])
+            if loc is None:  # new blocks, up to the next known one: onto the cursor run, or a new one
+                if seg is None:
+                    seg = _Seg(self._next_sid)
+                    self._next_sid += 1
                 hs = seg.hashes
                 ms = seg.masks
-            cand = seg.base | len(hs)
-            loc = setdefault(h, cand)
-            if loc is cand:
-                hs.append(h)
-                ms.append(bit)
-                streak += 1
-                continue
-            if streak:
-                if len(hs) == streak:
+                base = seg.base
+                n0 = len(hs)
+                while i < n:
+                    h = hashes[i]
+                    cand = base | len(hs)
+                    if setdefault(h, cand) is not cand:
+                        break
+                    hs.append(h)
+                    ms.append(bit)
+                    i += 1
+                if not n0:
                     segs[seg.sid] = seg
                 seg.union |= bit
-                streak = 0
-            if hs:
                 tails[hs[-1]] = seg  # type: ignore[index]
-            del where[h]
-            where[h] = loc
-            seg = segs[loc >> _OFF_BITS]
-            off = loc & _OFF_MASK
-            ms = seg.masks
-            m = ms[off]
-            if not m & bit:
-                ms[off] = m | bit
-                seg.union |= bit
-            hs = seg.hashes
-            if off == len(hs) - 1:  # a run's last block: what follows can extend that run
-                tails_pop(h, None)
-            else:
                 seg = None
-        if seg is not None:
-            if streak:
-                if len(hs) == streak:
-                    segs[seg.sid] = seg
-                seg.union |= bit
-            if hs:
-                tails[hs[-1]] = seg  # type: ignore[index]
+                continue
+            if seg is not None:  # the cursor run gets nothing more: its tail goes back
+                if seg.hashes:
+                    tails[seg.hashes[-1]] = seg  # type: ignore[index]
+                seg = None
+            kseg = segs[loc >> _OFF_BITS]
+            off = loc & _OFF_MASK
+            khs = kseg.hashes
+            kms = kseg.masks
+            m = min(n - i, len(khs) - off)
+            k = 1
+            if m > 1:
+                a = list(hashes[i : i + m])
+                b = khs[off : off + m]
+                k = m if a == b else _common_prefix(a, b)
+            base = kseg.base
+            for t in range(k):
+                h = hashes[i + t]
+                del where[h]
+                where[h] = base | (off + t)
+                mm = kms[off + t]
+                if not mm & bit:
+                    kms[off + t] = mm | bit
+                    kseg.union |= bit
+            i += k
+            last = off + k - 1
+            if last == len(khs) - 1:  # a run's last block: what follows can extend that run
+                tails_pop(khs[last], None)
+                seg = kseg
+        if seg is not None and seg.hashes:
+            tails[seg.hashes[-1]] = seg  # type: ignore[index]
 
     def store(
         self, holder: Holder, block_hashes: list[int], medium: str | None = GPU, parent: int | None = None
