@@ -349,6 +349,7 @@ def _rank_config(cfg: SimServerConfig, rank: int, info: PodInfo) -> Any:
     side = info.side_channel_of(rank)
     return replace(
         cfg.engine,
+        event_token_ids=False,  # the router's index reads the hashes only
         dp_rank=rank,
         engine_id=info.engine_id_of(rank) or f"{info.name}-{rank}",
         side_channel_host=side[0] if side else info.name,

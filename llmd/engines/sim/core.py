@@ -71,6 +71,9 @@ class SimEngineConfig:
     kv_cache_spec_kind: str = "full_attention"  # "mla_attention" for MLA models (GLM, DeepSeek)
     cpu_events_self_describing: bool = False  # vLLM's self_describing_kv_events for CPU-tier BlockStored
     enable_mfu_metrics: bool = False  # vLLM's --enable-mfu-metrics: steps report their estimated work
+    # BlockStored events carry the blocks' token ids, as vLLM's do; a consumer that reads only the hashes (the cluster
+    # simulator's router) saves producing them: a long prompt's ids are tens of thousands of ints per event.
+    event_token_ids: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 2:
@@ -174,6 +177,7 @@ class EngineCore:
             kv_cache_spec_kind=c.kv_cache_spec_kind,
             cpu_events_self_describing=c.cpu_events_self_describing,
             drop_last_hit_block=c.num_speculative_tokens > 0,
+            event_token_ids=c.event_token_ids,
         )
         self.scheduler = EngineScheduler(
             self.kv,
