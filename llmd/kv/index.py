@@ -307,6 +307,10 @@ class KVIndex:
                 hashes = ev.block_hashes  # type: ignore[attr-defined]
                 parent = ev.parent_block_hash  # type: ignore[attr-defined]
                 stored += len(hashes)
+                if hashes and hashes[0] in where:
+                    # Known from the start (another engine's copy, a CPU-tier write of a GPU block): block by block.
+                    self._store_slow(hashes, parent, bit)
+                    continue
                 # The common case, kept lean: every block is new and extends the run that ends at the parent (a new
                 # run when there is none), each taking the next offset of that run as its location.
                 seg = tails_pop(parent, None)

@@ -37,6 +37,7 @@ class DecodeRun:
         "_done",
         "_draws",
         "_events",
+        "_gained",
         "_next_event",
         "applied",
         "cut",
@@ -64,7 +65,9 @@ class DecodeRun:
         self.gained = gained
         self._events = events  # (step, request index) where allocate_slots has blocks to add or cache, in step order
         self._next_event = 0
-        self._draws = draws  # MTP draws consumed by the end of each step
+        # The same as lists: read a number at a time per step, where numpy's scalars cost more than they save.
+        self._gained: list[list[int]] = gained.tolist()
+        self._draws = draws.tolist() if draws is not None else None  # MTP draws consumed by the end of each step
         self.n_scheduled = n_scheduled  # tokens each request is scheduled per step: 1 + drafts
         self.out0 = [len(r.output_token_ids) for r in requests]
         self._done = [0] * len(requests)  # steps carried out per request
@@ -83,46 +86,50 @@ class DecodeRun:
         kv = core.kv
         events = self._events
         p = self._next_event
-        n_sched = self.n_scheduled
-        cur = -1
-        while p < len(events) and events[p][0] < j:
-            s, i = events[p]
-            p += 1
-            if s != cur:
-                kv.flush_cpu_stores()  # the CPU-tier writes of the last step that cached blocks, at its end
-                cur = s
-            self._catch_up(core, i, s)
-            kv.allocate_slots(self.requests[i], n_sched)
-        kv.flush_cpu_stores()
-        self._next_event = p
+        if p < len(events) and events[p][0] < j:
+            n_sched = self.n_scheduled
+            cur = -1
+            while p < len(events) and events[p][0] < j:
+                s, i = events[p]
+                p += 1
+                if s != cur:
+                    if kv._cpu_jobs:
+                        kv.flush_cpu_stores()  # the CPU-tier writes of the last step that cached blocks, at its end
+                    cur = s
+                self._catch_up(core, i, s)
+                kv.allocate_slots(self.requests[i], n_sched)
+            if kv._cpu_jobs:
+                kv.flush_cpu_stores()
+            self._next_event = p
         for i in range(len(self.requests)):
             self._catch_up(core, i, j)
         draws = self._draws
         if draws is not None:
             rng = core._mtp_rng
             assert isinstance(rng, UniformStream)
-            rng.skip(int(draws[j - 1]) - (int(draws[a - 1]) if a else 0))
+            rng.skip(draws[j - 1] - (draws[a - 1] if a else 0))
         self.applied = j
 
     def _catch_up(self, core: EngineCore, i: int, s: int) -> None:
         """Request i's tokens up to the start of step s (sampled, appended, their full blocks hashed)."""
-        d = self._done[i]
+        done = self._done
+        d = done[i]
         if d >= s:
             return
-        g = self.gained
-        n = int(g[s - 1, i]) - (int(g[d - 1, i]) if d else 0)
+        g = self._gained
+        n = g[s - 1][i] - (g[d - 1][i] if d else 0)
         r = self.requests[i]
         r.num_computed_tokens += n
         r.append_output(r.draw_tokens(n, core.sampler))
         core.generation_tokens_total += n
-        self._done[i] = s
+        done[i] = s
 
     def tokens(self, i: int, a: int, b: int) -> list[int]:
         """Request i's tokens from steps a..b-1 (applied)."""
-        g = self.gained
+        g = self._gained
         o = self.out0[i]
-        lo = o + (int(g[a - 1, i]) if a else 0)
-        return self.requests[i].output_token_ids[lo : o + int(g[b - 1, i])]
+        lo = o + (g[a - 1][i] if a else 0)
+        return self.requests[i].output_token_ids[lo : o + g[b - 1][i]]
 
 
 def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
