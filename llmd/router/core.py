@@ -139,19 +139,26 @@ def _snapshot_order(slot: _Slot) -> tuple[str, int, str, str]:
 
 class _QueriedIndex:
     """The KV index with one query answered already: the snapshot's KV-fit check and the scheduler's prefix hits ask
-    the same question of it within one decision."""
+    the same question of it within one decision (and both want each holder's GPU blocks of it)."""
 
-    __slots__ = ("hashes", "index", "matches")
+    __slots__ = ("gpu", "hashes", "index", "matches")
 
-    def __init__(self, index: KVIndex, hashes: Sequence[int], matches: list[PrefixMatch]) -> None:
+    def __init__(
+        self, index: KVIndex, hashes: Sequence[int], matches: list[PrefixMatch], gpu: dict[tuple[str, int], int]
+    ) -> None:
         self.index = index
         self.hashes = hashes
         self.matches = matches
+        self.gpu = gpu
 
     def query(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
         if block_hashes is self.hashes:
             return self.matches
         return self.index.query(block_hashes)
+
+    def gpu_blocks(self, block_hashes: Sequence[int]) -> dict[tuple[str, int], int] | None:
+        """{holder: blocks_gpu} of `query(block_hashes)`, when that is the query answered already."""
+        return self.gpu if block_hashes is self.hashes else None
 
 
 class RouterCore:
@@ -398,8 +405,8 @@ class RouterCore:
             if self._cached_from_index:
                 # One index query for the KV-fit check and the scheduler's prefix hits (same hashes, same moment).
                 matches = self.index.query(hashes)
-                cached = {m.holder: m.blocks_gpu for m in matches}
-                index = _QueriedIndex(self.index, hashes, matches)
+                cached = {holder: gpu for holder, _, gpu, _ in matches}
+                index = _QueriedIndex(self.index, hashes, matches, cached)
             else:
                 cached = {}
         snap = self.snapshot(job.excluded, kv, cached, now)

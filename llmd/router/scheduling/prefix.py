@@ -93,7 +93,11 @@ class PrecisePrefixScorer(_PrefixScorer):
             matches = ctx.index.query(hashes) if ctx.index is not None else []
             spec: dict[Holder, int] = {}
             if self.speculative is not None:
-                spec = self.speculative.match(hashes, ctx.now, {m.holder: m.blocks_gpu for m in matches})
+                gpu_of = getattr(ctx.index, "gpu_blocks", None)  # the router core's index has the dict made already
+                floor = gpu_of(hashes) if gpu_of is not None else None
+                if floor is None:
+                    floor = {holder: gpu for holder, _, gpu, _ in matches}
+                spec = self.speculative.match(hashes, ctx.now, floor)
             pop = spec.pop if spec else None
             made: dict[int, PrefixHit] = {}  # most holders hold the same prefix (a shared system prompt): one hit each
             for holder, held, gpu, _ in matches:
