@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, groupby, islice
-from operator import itemgetter
 from typing import Any, Literal, NamedTuple
 
 from llmd.kv.events import CLEARED, REMOVED, STORED, BlockStored, EventBatch, KVCacheEvent
@@ -111,58 +110,80 @@ _MAX_MISSING_RANGES = 64
 
 
 class _Walk:
-    """Per-holder bookkeeping of one query, touched only where the matching set or its tiers change.
+    """Per-holder bookkeeping of one query, kept per group of holders whose walk has been the same so far.
 
-    Holders are keyed by their GPU bit position (2 * id); masks hold both bits of every holder.
+    Holders are keyed by their GPU bit position (2 * id); masks hold both bits of every holder. A group is a mask of
+    GPU bits with (start of its current GPU run or -1, GPU blocks in finished runs, first non-GPU position or -1):
+    a request's blocks are mostly held by many holders alike (a shared system prompt), so a change of the matching
+    set splits a few groups with big-int operations instead of touching every holder.
     """
 
-    __slots__ = ("alive", "alive_even", "ended", "even", "gpu", "gpu_prefix", "gpu_total", "run_start")
+    __slots__ = ("alive", "alive_even", "ended", "even", "groups")
 
     def __init__(self, m: int, even: int) -> None:
         self.even = even
-        self.gpu = gpu = m & even
+        gpu = m & even
         self.alive_even = alive_even = (m | (m >> 1)) & even
         self.alive = alive_even | (alive_even << 1)
-        self.run_start = dict.fromkeys(_bits(gpu), 0)
-        self.gpu_total = dict.fromkeys(_bits(alive_even), 0)
-        self.gpu_prefix = dict.fromkeys(_bits(alive_even & ~gpu), 0)
-        self.ended: dict[int, int] = {}
+        self.groups: list[tuple[int, int, int, int]] = []
+        if gpu:
+            self.groups.append((gpu, 0, 0, -1))
+        if alive_even & ~gpu:
+            self.groups.append((alive_even & ~gpu, -1, 0, 0))
+        self.ended: list[tuple[int, int, int, int]] = []  # (GPU bits, blocks_any, blocks_gpu, blocks_gpu_prefix)
 
     def change(self, i: int, mm: int) -> int:
         """Block i's mask (restricted to the alive holders) differs from block i-1's; returns the new alive mask."""
         even = self.even
-        gpu = self.gpu
         new_gpu = mm & even
         new_even = (mm | (mm >> 1)) & even
-        for b in _bits(gpu & ~new_gpu):
-            self.gpu_total[b] += i - self.run_start.pop(b)
-            self.gpu_prefix.setdefault(b, i)
-        for b in _bits(new_gpu & ~gpu):
-            self.run_start[b] = i
-        for b in _bits(self.alive_even & ~new_even):
-            self.ended[b] = i
-        self.gpu = new_gpu
+        groups = []
+        ended = self.ended
+        for mask, start, total, prefix in self.groups:
+            gone = mask & ~new_even
+            if gone:
+                if start >= 0:
+                    ended.append((gone, i, total + i - start, prefix if prefix >= 0 else i))
+                else:
+                    ended.append((gone, i, total, prefix))
+            on = mask & new_gpu
+            off = mask & new_even & ~new_gpu
+            if start >= 0:  # in a GPU run until now
+                if on:
+                    groups.append((on, start, total, prefix))
+                if off:
+                    groups.append((off, -1, total + i - start, prefix if prefix >= 0 else i))
+            else:
+                if on:
+                    groups.append((on, i, total, prefix))
+                if off:
+                    groups.append((off, -1, total, prefix))
+        self.groups = groups
         self.alive_even = new_even
         self.alive = new_even | (new_even << 1)
         return self.alive
 
-    def result(self, n: int, holders: list[Holder | None]) -> list[PrefixMatch]:
+    def result(self, n: int, holders: list[Holder | None], order: list[tuple[int, Holder]]) -> list[PrefixMatch]:
+        """The matches, longest first, then most in GPU, then by holder; `order`: (GPU bit, holder) of every holder
+        in holder order, read through for a group of many holders (a few are sorted instead)."""
         if self.alive_even:
             self.change(n, 0)
-        gpu_total = self.gpu_total
-        gpu_prefix = self.gpu_prefix
-        out = [
-            PrefixMatch(holders[b >> 1], blocks_any, gpu_total[b], gpu_prefix[b])  # type: ignore[arg-type]
-            for b, blocks_any in self.ended.items()
-        ]
-        # longest first, then most in GPU, then by holder: two stable C-speed sorts instead of a Python key
-        out.sort(key=_HOLDER)
-        out.sort(key=_LENGTHS, reverse=True)
+        by_len: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for mask, blocks_any, blocks_gpu, prefix in self.ended:
+            by_len.setdefault((blocks_any, blocks_gpu), []).append((mask, prefix))
+        out: list[PrefixMatch] = []
+        new = tuple.__new__
+        many = len(order) // 8
+        for (blocks_any, blocks_gpu), parts in sorted(by_len.items(), reverse=True):
+            if len(parts) == 1 and parts[0][0].bit_count() > many:
+                mask, prefix = parts[0]
+                out += [new(PrefixMatch, (h, blocks_any, blocks_gpu, prefix)) for b, h in order if mask & b]
+                continue
+            got = sorted((holders[b >> 1], prefix) for mask, prefix in parts for b in _bits(mask))
+            out += [new(PrefixMatch, (h, blocks_any, blocks_gpu, prefix)) for h, prefix in got]
         return out
 
 
-_HOLDER = itemgetter(0)
-_LENGTHS = itemgetter(1, 2)
 _OFF_BITS = 32
 _OFF_MASK = (1 << _OFF_BITS) - 1
 
@@ -212,6 +233,7 @@ class KVIndex:
         self._free: list[int] = []  # heap: lowest id first keeps masks short
         self._even = 0  # the GPU bit of every id ever allocated
         self._bit_objs: list[tuple[int, int]] = []
+        self._order: list[tuple[int, Holder]] | None = None  # (GPU bit, holder) by holder: queries' tie order
         self._seq: dict[Hashable, _SeqState] = {}
         self._gaps: deque[Gap] = deque(maxlen=gap_log)
         self.evictions = 0
@@ -237,6 +259,7 @@ class KVIndex:
                 self._holders.append(holder)
                 self._even |= 1 << (2 * hid)
             self._ids[holder] = hid
+            self._order = None
         return hid
 
     def _bits_of(self, holder: Holder) -> tuple[int, int]:
@@ -284,6 +307,10 @@ class KVIndex:
                 hashes = ev.block_hashes  # type: ignore[attr-defined]
                 parent = ev.parent_block_hash  # type: ignore[attr-defined]
                 stored += len(hashes)
+                if hashes and hashes[0] in where:
+                    # Known from the start (another engine's copy, a CPU-tier write of a GPU block): block by block.
+                    self._store_slow(hashes, parent, bit)
+                    continue
                 # The common case, kept lean: every block is new and extends the run that ends at the parent (a new
                 # run when there is none), each taking the next offset of that run as its location.
                 seg = tails_pop(parent, None)
@@ -331,58 +358,71 @@ class KVIndex:
             self._evict()
 
     def _store_slow(self, hashes: Sequence[int], parent: int | None, bit: int) -> None:
-        # Block by block: known blocks gain the bit and move to the recent end; new ones are appended to the run
-        # whose last block is the previous block. `seg` is that run (the cursor), its tail entry taken out.
+        # Known blocks gain the bit and move to the recent end, a stretch at a time where the request follows a stored
+        # run (a prompt re-stored by another engine: its shared prefix is mostly known); new ones are appended to the
+        # run whose last block is the previous block. `seg` is that run (the cursor), its tail entry taken out.
         where = self._where
+        get = where.get
         setdefault = where.setdefault
         segs = self._segs
         tails = self._tails
         tails_pop = tails.pop
         seg = tails_pop(parent, None)
-        hs: list[int | None] = seg.hashes if seg is not None else []
-        ms: list[int] = seg.masks if seg is not None else []
-        streak = 0
-        for h in hashes:
-            if seg is None:
-                seg = _Seg(self._next_sid)
-                self._next_sid += 1
+        i, n = 0, len(hashes)
+        while i < n:
+            loc = get(hashes[i])
+            if loc is None:  # new blocks, up to the next known one: onto the cursor run, or a new one
+                if seg is None:
+                    seg = _Seg(self._next_sid)
+                    self._next_sid += 1
                 hs = seg.hashes
                 ms = seg.masks
-            cand = seg.base | len(hs)
-            loc = setdefault(h, cand)
-            if loc is cand:
-                hs.append(h)
-                ms.append(bit)
-                streak += 1
-                continue
-            if streak:
-                if len(hs) == streak:
+                base = seg.base
+                n0 = len(hs)
+                while i < n:
+                    h = hashes[i]
+                    cand = base | len(hs)
+                    if setdefault(h, cand) is not cand:
+                        break
+                    hs.append(h)
+                    ms.append(bit)
+                    i += 1
+                if not n0:
                     segs[seg.sid] = seg
                 seg.union |= bit
-                streak = 0
-            if hs:
                 tails[hs[-1]] = seg  # type: ignore[index]
-            del where[h]
-            where[h] = loc
-            seg = segs[loc >> _OFF_BITS]
-            off = loc & _OFF_MASK
-            ms = seg.masks
-            m = ms[off]
-            if not m & bit:
-                ms[off] = m | bit
-                seg.union |= bit
-            hs = seg.hashes
-            if off == len(hs) - 1:  # a run's last block: what follows can extend that run
-                tails_pop(h, None)
-            else:
                 seg = None
-        if seg is not None:
-            if streak:
-                if len(hs) == streak:
-                    segs[seg.sid] = seg
-                seg.union |= bit
-            if hs:
-                tails[hs[-1]] = seg  # type: ignore[index]
+                continue
+            if seg is not None:  # the cursor run gets nothing more: its tail goes back
+                if seg.hashes:
+                    tails[seg.hashes[-1]] = seg  # type: ignore[index]
+                seg = None
+            kseg = segs[loc >> _OFF_BITS]
+            off = loc & _OFF_MASK
+            khs = kseg.hashes
+            kms = kseg.masks
+            m = min(n - i, len(khs) - off)
+            k = 1
+            if m > 1:
+                a = list(hashes[i : i + m])
+                b = khs[off : off + m]
+                k = m if a == b else _common_prefix(a, b)
+            base = kseg.base
+            for t in range(k):
+                h = hashes[i + t]
+                del where[h]
+                where[h] = base | (off + t)
+                mm = kms[off + t]
+                if not mm & bit:
+                    kms[off + t] = mm | bit
+                    kseg.union |= bit
+            i += k
+            last = off + k - 1
+            if last == len(khs) - 1:  # a run's last block: what follows can extend that run
+                tails_pop(khs[last], None)
+                seg = kseg
+        if seg is not None and seg.hashes:
+            tails[seg.hashes[-1]] = seg  # type: ignore[index]
 
     def store(
         self, holder: Holder, block_hashes: list[int], medium: str | None = GPU, parent: int | None = None
@@ -473,6 +513,7 @@ class KVIndex:
             self._holders[hid] = None
             del self._ids[holder]  # type: ignore[arg-type]
             heapq.heappush(self._free, hid)
+            self._order = None
         keep = ~mask
         where = self._where
         touched = 0
@@ -625,7 +666,10 @@ class KVIndex:
                 break
             s = segs[loc >> _OFF_BITS]
             off = loc & _OFF_MASK
-        return st.result(n, self._holders)
+        order = self._order
+        if order is None:
+            order = self._order = [(1 << (2 * hid), h) for h, hid in sorted(self._ids.items())]
+        return st.result(n, self._holders, order)
 
     def holders_of(self, block_hash: int) -> dict[Holder, tuple[str, ...]]:
         """Who holds one block, and in which tiers ("GPU", "CPU")."""

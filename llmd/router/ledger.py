@@ -27,6 +27,7 @@ class Load:
     inflight: int = 0
     inflight_tokens: int = 0
     kv: InflightKV = field(default_factory=InflightKV)
+    version: int = 0  # bumped by every take and give: the router core rebuilds an endpoint's state only then
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +75,7 @@ class Ledger:
 
     def take(self, holder: Holder, tokens: int, kv: KVKey) -> Load:
         ld = self.load(holder)
+        ld.version += 1
         ld.inflight += 1
         ld.inflight_tokens += tokens
         ld.kv.add(*kv)
@@ -81,6 +83,7 @@ class Ledger:
 
     @staticmethod
     def give(ld: Load, tokens: int, kv: KVKey) -> None:
+        ld.version += 1
         ld.inflight = max(0, ld.inflight - 1)
         ld.inflight_tokens = max(0, ld.inflight_tokens - tokens)
         ld.kv.remove(*kv)

@@ -9,13 +9,17 @@ side channel) happens here as events on the loop.
 from __future__ import annotations
 
 import zlib
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.engines.sim.core import EngineCore, PullTask, RequestOutput, StepResult
+from llmd.engines.sim.decode_run import DecodeRun
 from llmd.engines.sim.request import SimRequest
 from llmd.engines.sim.server_config import SimServerConfig
 from llmd.perf.latency import LatencyModel
@@ -25,6 +29,10 @@ from llmd.sim.params import SimParams
 from llmd.spec.layout import engine_endpoints
 
 OutputSink = Callable[[RequestOutput, float], None]
+
+# Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run ends at the next arrival,
+# pull or release anyway, and the steps planned past that are work thrown away.
+MAX_RUN_STEPS = 256
 
 
 @dataclass(slots=True)
@@ -53,7 +61,12 @@ class SimRank:
         self.sinks: dict[str, OutputSink] = {}
         self.busy = False
         self.steps = 0
+        self.runs = 0  # decode fast-forward runs (their steps count in `steps`)
         self._expiry_armed: float | None = None
+        self._run: DecodeRun | None = None
+        self._run_ends: list[float] = []  # loop time each step of the run ends
+        self._run_done = 0
+        self._run_events: list = []  # KV events of the step under way, carried out early by a sync
         st = pod.ranks[rank]
         st.kv_capacity_blocks = core.config.num_gpu_blocks
         st.cpu_capacity_blocks = core.config.num_cpu_blocks
@@ -69,12 +82,14 @@ class SimRank:
 
     def submit(self, req: SimRequest, sink: OutputSink) -> None:
         """The request reaches the engine now (ValueError from the core: the engine refuses it, as with a 400)."""
+        self.interrupt()
         req.arrival_time = self.model_time()
         self.core.add_request(req)
         self.sinks[req.request_id] = sink
         self.kick()
 
     def abort(self, request_id: str) -> None:
+        self.interrupt()
         self.sinks.pop(request_id, None)
         if self.core.abort_request(request_id):
             self.kick()
@@ -87,6 +102,11 @@ class SimRank:
 
     def _step(self) -> None:
         core = self.core
+        if self.fleet.fast_forward:
+            run = core.plan_decode(self.model_time(), MAX_RUN_STEPS)
+            if run is not None:
+                self._start_run(run)
+                return
         result = core.step(self.model_time())
         self.steps += 1
         if result.duration_s <= 0 and not result.outputs and not result.scheduled_tokens:
@@ -115,6 +135,75 @@ class SimRank:
         for task in self.core.pending_pulls():
             self.fleet.start_pull(self, task)
 
+    # ---- decode fast-forward ---------------------------------------------------------------------------------------
+    # A run is one event per step where single steps make two: at each step's end the step is carried out on the core,
+    # its outputs go to their sinks and its KV events out, at the times single steps would send them. Something from
+    # outside that reads the core during a step (a scrape, a P2P lookup) or changes it (an arrival, a finished pull, a
+    # released lease) first carries out the step under way, whose state single steps set up when it began; a change
+    # also ends the run with that step. Step ends are summed in the order single steps add them: the same times.
+    def _start_run(self, run: DecodeRun) -> None:
+        self._run = run
+        self.runs += 1
+        scale = self.fleet.time_scale
+        d = run.durations * scale if scale != 1.0 else run.durations
+        self._run_ends = np.cumsum(np.concatenate(((self.loop.now,), d)))[1:].tolist()
+        self._run_done = 0  # steps whose outputs and events have gone out
+        self.loop.at(self._run_ends[0], self._run_step_end, run)
+
+    def sync(self) -> None:
+        """The core as single steps would have left it by now: the run's step under way is carried out."""
+        run = self._run
+        if run is None:
+            return
+        # Step s > 0 begins when step s - 1 ends; one that would begin exactly now comes after whatever else happens
+        # now, as the _step event single steps schedule then.
+        begun = min(1 + bisect_left(self._run_ends, self.loop.now), run.cut)
+        if begun > run.applied:
+            self.steps += begun - run.applied
+            self._run_events += self.core.advance(run, begun)
+
+    def interrupt(self) -> None:
+        """Something from outside is about to change the core: the run ends with the step under way (or now)."""
+        run = self._run
+        if run is None:
+            return
+        self.sync()
+        if run.applied == self._run_done:
+            self._end_run()
+        else:
+            run.cut = run.applied
+
+    def _run_step_end(self, run: DecodeRun) -> None:
+        if run is not self._run:
+            return  # the run ended early
+        s = self._run_done
+        if run.applied <= s:
+            self.steps += s + 1 - run.applied
+            self._run_events += self.core.advance(run, s + 1)
+        self._run_done = s + 1
+        t = self.loop.now
+        sinks = self.sinks
+        for out in self.core.decode_outputs(run, s, s + 1):
+            sink = sinks.get(out.request_id)
+            if sink is not None:
+                sink(out, t)
+        if self._run_events:
+            self.fleet.publish(self, self._run_events)
+            self._run_events = []
+        if s + 1 >= run.cut:
+            self._end_run()
+        else:
+            self.loop.at(self._run_ends[s + 1], self._run_step_end, run)
+
+    def _end_run(self) -> None:
+        self._run = None
+        self.busy = False
+        for task in self.core.pending_pulls():
+            self.fleet.start_pull(self, task)
+        self.kick()
+        if not self.busy:
+            self._arm_expiry()
+
     def _arm_expiry(self) -> None:
         """An idle rank still frees leases nobody pulled when they run out (vLLM's kv_lease_duration)."""
         nxt = self.core.next_lease_expiry()
@@ -124,6 +213,7 @@ class SimRank:
 
     def _expire(self) -> None:
         self._expiry_armed = None
+        self.interrupt()
         if self.core.expire_leases(self.model_time()):
             self.publish_pending()
             self.kick()
@@ -137,6 +227,7 @@ class SimRank:
 
     def scrape(self) -> None:
         """What the router's /metrics poll reads: the rank's gauges now."""
+        self.sync()
         s = self.core.scheduler
         st = self.pod.ranks[self.rank]
         st.running = len(s.running)
@@ -158,6 +249,8 @@ class Fleet:
         self.by_holder: dict[tuple[str, int], SimRank] = {}
         self.by_engine_id: dict[str, SimRank] = {}
         self.transfers = TransferStats()
+        # Decode fast-forward (decode_run.py): stretches of decode-only steps planned at once.
+        self.fast_forward = True
         # Simulated engines run at engine.time_scale wall seconds per model second; the loop keeps wall seconds, so
         # what it predicts is the live run of the same spec (vLLM engines: real time).
         scale = spec.engine.time_scale if engine_kind(spec.engine.kind).simulated else 1.0
@@ -201,6 +294,7 @@ class Fleet:
         src = self.by_engine_id.get(task.remote_engine_id or "")
         ok, tokens, lease = False, 0, task.remote_request_id is not None
         if src is not None and src.pod.healthy:
+            src.sync()  # its prefix cache and leases as of now
             if lease:
                 r = src.core.leases.get(task.remote_request_id or "")
                 expired = (
@@ -224,8 +318,10 @@ class Fleet:
         self, puller: SimRank, src: SimRank | None, task: PullTask, ok: bool, tokens: int, seconds: float
     ) -> None:
         t = self.transfers
+        puller.interrupt()
         if task.remote_request_id is not None:
             if src is not None and ok:
+                src.interrupt()
                 src.core.release_lease(task.remote_request_id)
                 src.kick()
             puller.core.finish_pull(task.request_id, ok)
@@ -253,6 +349,7 @@ def _rank_config(cfg: SimServerConfig, rank: int, info: PodInfo) -> Any:
     side = info.side_channel_of(rank)
     return replace(
         cfg.engine,
+        event_token_ids=False,  # the router's index reads the hashes only
         dp_rank=rank,
         engine_id=info.engine_id_of(rank) or f"{info.name}-{rank}",
         side_channel_host=side[0] if side else info.name,

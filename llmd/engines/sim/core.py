@@ -8,8 +8,10 @@ they finish; a prefill side keeps finished requests' blocks leased until pulled 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import random
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -17,10 +19,13 @@ from typing import Any, Literal, Protocol
 from llmd.kv.events import KVCacheEvent
 from llmd.kv.hashing import BlockHasher
 
+from .decode_run import DecodeRun, plan
 from .kv_cache import KVCacheManager
 from .request import FINISH_REASONS, FinishReason, RequestStatus, SimRequest, TokenSampler
 from .scheduler import EngineScheduler, SchedulerOutput
+from .uniforms import UniformStream, vectorisable
 
+_RUNNING = RequestStatus.RUNNING
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -66,6 +71,9 @@ class SimEngineConfig:
     kv_cache_spec_kind: str = "full_attention"  # "mla_attention" for MLA models (GLM, DeepSeek)
     cpu_events_self_describing: bool = False  # vLLM's self_describing_kv_events for CPU-tier BlockStored
     enable_mfu_metrics: bool = False  # vLLM's --enable-mfu-metrics: steps report their estimated work
+    # BlockStored events carry the blocks' token ids, as vLLM's do; a consumer that reads only the hashes (the cluster
+    # simulator's router) saves producing them: a long prompt's ids are tens of thousands of ints per event.
+    event_token_ids: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 2:
@@ -169,6 +177,7 @@ class EngineCore:
             kv_cache_spec_kind=c.kv_cache_spec_kind,
             cpu_events_self_describing=c.cpu_events_self_describing,
             drop_last_hit_block=c.num_speculative_tokens > 0,
+            event_token_ids=c.event_token_ids,
         )
         self.scheduler = EngineScheduler(
             self.kv,
@@ -179,7 +188,12 @@ class EngineCore:
             has_connector=c.kv_transfer or c.num_cpu_blocks > 0,
         )
         self.sampler = TokenSampler(c.vocab_size, c.special_token_ids)
-        self._mtp_rng = random.Random(f"{c.seed}/mtp")
+        # The MTP draws: where the latency model's acceptance draw can be replayed in bulk, the same sequence from a
+        # stream decode fast-forward reads ahead in (plan_decode); random.Random otherwise.
+        self._mtp_draws = _mtp_draws(latency) if c.num_speculative_tokens else None
+        self._mtp_rng: random.Random | UniformStream = (
+            UniformStream(f"{c.seed}/mtp") if self._mtp_draws is not None else random.Random(f"{c.seed}/mtp")
+        )
         self.requests: dict[str, SimRequest] = {}  # unfinished requests
         self.leases: dict[str, SimRequest] = {}  # finished prefill legs whose blocks wait for a pull
         self._lease_heap: list[tuple[float, int, str]] = []
@@ -287,6 +301,31 @@ class EngineCore:
             len(so.preempted),
             work,
         )
+
+    # --- decode fast-forward (decode_run.py) ---------------------------------------------------------------------
+    def plan_decode(self, now: float, max_steps: int = 256) -> DecodeRun | None:
+        """The next steps from `now`, if they are decode-only steps nothing inside the core can change: at most
+        `max_steps`, none with a finish, a first token, an admission or a preemption. None: call step().
+
+        Nothing happens to the core but what step(now) does first (leases past their time expire); `advance` carries
+        the steps out. Between the two, only `advance` may touch the core: anything else (a request, an abort, a
+        finished pull, a released lease) comes after applying the steps begun by then, and the rest are dropped."""
+        self.expire_leases(now)
+        return plan(self, now, max_steps)
+
+    def advance(self, run: DecodeRun, steps: int) -> list[KVCacheEvent]:
+        """Carries out `run`'s steps up to `steps` as step() would; returns the KV events of the steps carried out."""
+        run.apply(self, steps)
+        return self.kv.take_events()
+
+    def decode_outputs(self, run: DecodeRun, a: int, b: int) -> list[RequestOutput]:
+        """Outputs of the carried-out steps a..b-1, one per request: for b = a + 1 what step() gives for that step."""
+        out = []
+        for i, r in enumerate(run.requests):
+            if r.status != _RUNNING:
+                continue  # aborted meanwhile
+            out.append(RequestOutput(r.request_id, run.tokens(i, a, b), False, None, r.num_cached_tokens))
+        return out
 
     def _emit(
         self, r: SimRequest, count: int, end: float, outputs: list[RequestOutput], finished: list[SimRequest]
@@ -540,6 +579,25 @@ def _step_work(lat: Any, prefill: Sequence[tuple[int, int]], decode: Sequence[in
     tokens = sum(n for n, _ in prefill) + len(decode) * (1 + getattr(lat, "mtp_draft_tokens", 0))
     written = min(tokens * lat.kv_bytes_per_token_gpu, moved)
     return flops, moved - written, written
+
+
+_MTP_VECTORISABLE: weakref.WeakKeyDictionary[Any, tuple[float, int] | None] = weakref.WeakKeyDictionary()
+
+
+def _mtp_draws(latency: StepCostModel) -> tuple[float, int] | None:
+    """(acceptance per draft, drafts) when `latency.sample_accepted` is the chained draw decode fast-forward replays
+    in bulk (llmd.perf's LatencyModel: it exposes both); checked once per latency model."""
+    try:
+        return _MTP_VECTORISABLE[latency]
+    except (KeyError, TypeError):
+        pass
+    beta, k = getattr(latency, "draft_beta", None), getattr(latency, "mtp_draft_tokens", 0)
+    got = None
+    if isinstance(beta, float) and isinstance(k, int) and k > 0 and vectorisable(latency.sample_accepted, beta, k):
+        got = (beta, k)
+    with contextlib.suppress(TypeError):  # not weakly referenceable: checked again next time
+        _MTP_VECTORISABLE[latency] = got
+    return got
 
 
 def _valid_pull_params(params: dict[str, Any]) -> bool:

@@ -45,6 +45,7 @@ class KVCacheManager:
         kv_cache_spec_kind: str | None = "full_attention",
         cpu_events_self_describing: bool = False,
         drop_last_hit_block: bool = False,
+        event_token_ids: bool = True,
     ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is the null block)")
@@ -53,6 +54,7 @@ class KVCacheManager:
         self.spec_kind = kv_cache_spec_kind
         # vLLM drops the last hit block under EAGLE/MTP so the drafter sees its inputs recomputed.
         self.drop_last_hit_block = drop_last_hit_block
+        self.event_token_ids = event_token_ids  # False: GPU-tier BlockStored events carry no token ids
         self.ref_cnt = [0] * num_gpu_blocks
         self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
         # Insertion order = eviction order (front evicted first). OrderedDict gives O(1) removal from the middle.
@@ -249,11 +251,10 @@ class KVCacheManager:
         blocks = req.block_ids
         cached = self.cached
         block_hash = self.block_hash
-        ev_hashes = []
         for i in range(start, n_full):
             b = blocks[i]
-            h = hashes[i]
             if block_hash[b] is None:
+                h = hashes[i]
                 block_hash[b] = h
                 v = cached.get(h)
                 if v is None:
@@ -263,17 +264,19 @@ class KVCacheManager:
                         cached[h] = {v: None, b: None}
                 else:
                     v[b] = None
-            ev_hashes.append(_h64(h))
+        from_bytes = int.from_bytes
+        ev_hashes = [from_bytes(h, "big") & MASK64 for h in hashes[start:n_full]]  # _h64, without a call per block
         salt = req.cache_salt
         extra_keys: list[tuple[Any, ...] | None] = [None] * (n_full - start)
         if salt and start == 0:
             extra_keys[0] = (salt,)
-        tokens = req.tokens(start * bs, n_full * bs)
+        need_tokens = self.event_token_ids or (self.cpu_capacity and self.cpu_self_describing)
+        tokens = req.tokens(start * bs, n_full * bs) if need_tokens else []
         self.events.append(
             BlockStored(
                 ev_hashes,
                 _h64(hashes[start - 1]) if start else None,
-                tokens,
+                tokens if self.event_token_ids else [],
                 bs,
                 None,
                 GPU,

@@ -121,6 +121,9 @@ class SimRequest:
     pull_local_tokens: int = field(default=0, init=False)
     rng: random.Random | None = field(default=None, init=False, repr=False)
     hasher: BlockHasher | None = field(default=None, init=False, repr=False)
+    # `output_script` as a list, made on the first draw: a script of runs (llmd.sim.tokens) costs a numpy call per
+    # slice, and a decode reads it every step.
+    script_tokens: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -164,13 +167,17 @@ class SimRequest:
             hashes.append(hasher.hash_block(hashes[-1] if hashes else None, self.tokens(i * bs, (i + 1) * bs), extra))
 
     def draw_tokens(self, n: int, sampler: TokenSampler) -> list[int]:
-        script = self.output_script
+        script = self.script_tokens
         if script is None:
-            draw = sampler.draw
-            rng = self.rng
-            return [draw(rng)] if n == 1 else [draw(rng) for _ in range(n)]
+            given = self.output_script
+            if given is None:
+                draw = sampler.draw
+                rng = self.rng
+                return [draw(rng)] if n == 1 else [draw(rng) for _ in range(n)]
+            # Only the first max_tokens can ever be read.
+            script = self.script_tokens = given if type(given) is list else list(given[: self.max_tokens])
         k = len(self.output_token_ids)
-        out = list(script[k : k + n])
+        out = script[k : k + n]
         rng = self.rng
         while len(out) < n:
             out.append(sampler.draw(rng))

@@ -44,7 +44,15 @@ def kv_fits(state: EndpointState, need_tokens: int, block_size: int) -> bool:
 def kv_room(cands: Sequence[Candidate], need_tokens: int, block_size: int) -> list[Candidate]:
     """Endpoints where the request's KV fits (kv_fits). If none, all of them: the proxy's admission holds the request
     until one has room, and the scorers still rank them."""
-    free = [c for c in cands if kv_fits(c.state, need_tokens, block_size)]
+    # kv_fits, inlined: it runs for every candidate of every decision.
+    need = -(-need_tokens // block_size) * block_size if block_size > 0 else need_tokens
+    free = [
+        c
+        for c in cands
+        if (cap := c.state.kv_capacity_blocks) <= 0
+        or c.state.inflight <= 0
+        or c.state.inflight_kv_tokens + need <= (cap - 1) * block_size
+    ]
     return free or list(cands)
 
 

@@ -14,18 +14,17 @@ class InflightKV:
     """`add` when a request is sent to the endpoint, `remove` with the same arguments when it ends; `tokens` is the
     KV those requests can occupy at most."""
 
-    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens")
+    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens", "tokens", "version")
 
     def __init__(self) -> None:
         self._refs: dict[int, tuple[int, int]] = {}  # hash -> (requests holding it, its tokens when first added)
         self._shared_tokens = 0  # distinct prompt units in flight, in tokens
         self._extra_tokens = 0  # partial blocks and outputs
-
-    @property
-    def tokens(self) -> int:
-        return self._shared_tokens + self._extra_tokens
+        self.version = 0  # bumped by every add and remove: what a caller remembers of `held_prefix` holds till then
+        self.tokens = 0  # the KV those requests can occupy at most (kept, not computed: read per endpoint per decision)
 
     def add(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
+        self.version += 1
         refs = self._refs
         for h in hashes:
             held = refs.get(h)
@@ -35,27 +34,38 @@ class InflightKV:
             else:
                 refs[h] = (held[0] + 1, held[1])
         self._extra_tokens += extra_tokens
+        self.tokens = self._shared_tokens + self._extra_tokens
 
-    def shared_tokens(self, hashes: Sequence[int], unit_tokens: int) -> int:
-        """Tokens of `hashes`' leading units already held by requests in flight here. Chained hashes make holding
-        prefix-closed (a request holding unit k holds units 0..k-1), so a binary search finds the shared prefix.
-        The caller passes only the units the engine already has cached: requests admitted together compute a prefix
-        that is not yet cached each in blocks of its own (vLLM shares a block only once it is computed and cached),
-        so a burst of sub-agents forking a context the engine does not hold needs the context once per sub-agent."""
+    def shared_tokens(self, hashes: Sequence[int], unit_tokens: int, upto: int | None = None) -> int:
+        """Tokens of `hashes`' leading units (of the first `upto`, default all) already held by requests in flight
+        here. The caller passes only the units the engine already has cached: requests admitted together compute a
+        prefix that is not yet cached each in blocks of its own (vLLM shares a block only once it is computed and
+        cached), so a burst of sub-agents forking a context the engine does not hold needs the context once per
+        sub-agent."""
+        n = len(hashes) if upto is None else min(upto, len(hashes))
+        return self.held_prefix(hashes, 0, n) * unit_tokens
+
+    def held_prefix(self, hashes: Sequence[int], start: int = 0, n: int | None = None) -> int:
+        """How many leading units of `hashes[:n]` are held here, given that the first `start` are. Chained hashes
+        make holding prefix-closed (a request holding unit k holds units 0..k-1), so a binary search finds it."""
         refs = self._refs
-        if not refs or not hashes or hashes[0] not in refs:
-            return 0
-        lo, hi = 1, len(hashes)  # hashes[:lo] are held; find the largest such lo
+        hi = len(hashes) if n is None else n
+        if start >= hi:
+            return hi
+        if not refs or hashes[start] not in refs:
+            return start
+        lo = start + 1  # hashes[:lo] are held; find the largest such lo
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if hashes[mid - 1] in refs:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo * unit_tokens
+        return lo
 
     def remove(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
         """Undo one `add` with the same arguments (a unit's tokens are the ones it was first added with)."""
+        self.version += 1
         refs = self._refs
         for h in hashes:
             held = refs.get(h)
@@ -67,6 +77,7 @@ class InflightKV:
             else:
                 refs[h] = (held[0] - 1, held[1])
         self._extra_tokens = max(0, self._extra_tokens - extra_tokens)
+        self.tokens = self._shared_tokens + self._extra_tokens
 
 
 def request_kv(

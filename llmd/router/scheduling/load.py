@@ -35,7 +35,9 @@ class KVUtilScorer:
     name = "kv-util"
 
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
-        return [min(1.0, max(0.0, 1.0 - c.state.kv_usage)) for c in cands]
+        # min(1.0, max(0.0, x)) without two calls per candidate (NaN -> 0.0, -0.0 -> 0.0, as there).
+        free = [1.0 - c.state.kv_usage for c in cands]
+        return [(x if x < 1.0 else 1.0) if x > 0.0 else 0.0 for x in free]
 
 
 class LoadAwareScorer:

@@ -23,6 +23,15 @@ def weighted_totals(
     return [sum(p.values()) for p in parts], parts
 
 
+def column_totals(n: int, columns: Sequence[tuple[str, float, Sequence[float]]]) -> list[float]:
+    """`weighted_totals`' totals alone, the same floats (each the sum of weight x score in column order, from 0),
+    without a dict of parts per candidate: the picker needs only the totals."""
+    totals: list[float] = [0.0] * n
+    for _, weight, scores in columns:
+        totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
+    return totals
+
+
 def pick_max(totals: Sequence[float], rng: random.Random) -> int:
     """Index of the highest total; among ties, a seeded-random one (the RNG is drawn only when there is a tie, so
     untied decisions don't shift later draws)."""

@@ -36,7 +36,7 @@ from llmd.router.scheduling.pd import (
     endpoint_load,
     overloaded,
 )
-from llmd.router.scheduling.picker import pick_max, pick_min, weighted_totals
+from llmd.router.scheduling.picker import column_totals, pick_max, pick_min
 from llmd.router.scheduling.plugins import (
     FILTERS,
     SCORERS,
@@ -60,6 +60,7 @@ from llmd.router.scheduling.state import (
     NoEndpointError,
     PDDecision,
     RouteRequest,
+    ScoreTable,
     Snapshot,
 )
 
@@ -227,7 +228,7 @@ class Scheduler:
         much longer it is worth waiting for (the caller holds the request meanwhile and asks again). `queued`: other
         requests waiting for room in the caller's queue (the fleet is saturated while there are any)."""
         cfg = self.config
-        role_ok = filters.routable(snapshot.candidates, "decode")
+        role_ok = snapshot.routable("decode")
         if not role_ok:
             raise NoEndpointError("no healthy decode endpoint")
         ctx = ScoringContext(req, now, index)
@@ -247,7 +248,7 @@ class Scheduler:
             scores = prefix_scores(hits, cands, self.gpu_w, self.cpu_w)
             cands = filters.prefix_affinity(cands, scores, self.affinity, ttft, self.max_ttft_penalty_s)
 
-        i, totals, parts = self._pick("decode", ctx, cands)
+        i, totals, columns = self._pick("decode", ctx, cands)
         target = cands[i]
         reason = self._reason(role_hits, by.get(target.endpoint.holder), ctx.cold)
 
@@ -269,9 +270,9 @@ class Scheduler:
         wait_s = patience.get(target.endpoint.holder, 0.0)
         pd, pd_reason = (None, "p2p") if p2p else self._pd(req, snapshot, ctx, target, expected)
         self._capacity[target.endpoint.holder] = (target.state.kv_capacity_blocks, target.state.cpu_capacity_blocks)
-        scores: dict[Endpoint, EndpointScore] = {}
-        if parts is not None and totals is not None:
-            scores = {c.endpoint: EndpointScore(tot, p) for c, tot, p in zip(cands, totals, parts, strict=True)}
+        scores: Mapping[Endpoint, EndpointScore] = {}
+        if columns is not None and totals is not None:
+            scores = ScoreTable(cands, totals, columns)
         return Decision(
             target=target.endpoint,
             reason=reason,
@@ -347,14 +348,14 @@ class Scheduler:
 
     def _pick(
         self, hop: Hop, ctx: ScoringContext, cands: Sequence[Candidate]
-    ) -> tuple[int, list[float] | None, list[dict[str, float]] | None]:
-        """Index of the chosen candidate, with the totals and parts when the policy scores."""
+    ) -> tuple[int, list[float] | None, list[tuple[str, float, list[float]]] | None]:
+        """Index of the chosen candidate, with the totals and the weighted columns when the policy scores."""
         policy = self.policy
         if policy in _SCORING:
             cols = self._cold_columns if ctx.cold else self.columns
             columns = [(name, weight, scorer.score(ctx, cands)) for name, weight, scorer in cols]
-            totals, parts = weighted_totals(len(cands), columns)
-            return pick_max(totals, self._rng), totals, parts
+            totals = column_totals(len(cands), columns)
+            return pick_max(totals, self._rng), totals, columns
         if policy == "round-robin":
             n = self._rr[hop]
             self._rr[hop] = n + 1
@@ -419,7 +420,7 @@ class Scheduler:
         self, req: RouteRequest, snapshot: Snapshot, ctx: ScoringContext, target: Candidate, expected: int
     ) -> tuple[PDDecision | None, str]:
         cfg = self.config
-        pre_ok = filters.routable(snapshot.candidates, "prefill")
+        pre_ok = snapshot.routable("prefill")
         if not pre_ok:
             pool = any(c.endpoint.role in HOP_ROLES["prefill"] for c in snapshot.candidates)
             return None, "prefill-unhealthy" if pool else ""

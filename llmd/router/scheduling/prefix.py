@@ -93,18 +93,28 @@ class PrecisePrefixScorer(_PrefixScorer):
             matches = ctx.index.query(hashes) if ctx.index is not None else []
             spec: dict[Holder, int] = {}
             if self.speculative is not None:
-                spec = self.speculative.match(hashes, ctx.now, {m.holder: m.blocks_gpu for m in matches})
-            for m in matches:
-                held, gpu = m.blocks_any, m.blocks_gpu
-                s = spec.pop(m.holder, 0)  # 0, or a speculative GPU prefix longer than the real GPU blocks
-                if s >= held:
-                    held = gpu = s
-                elif s:
-                    # Which real GPU blocks lie past the speculative prefix is unknown: count the speculative ones
-                    # only (a lower bound on the GPU share).
-                    gpu = s
-                gpu_t = min(cap, gpu * bs)
-                by[m.holder] = PrefixHit(gpu, held - gpu, gpu_t, min(cap, held * bs) - gpu_t)
+                gpu_of = getattr(ctx.index, "gpu_blocks", None)  # the router core's index has the dict made already
+                floor = gpu_of(hashes) if gpu_of is not None else None
+                if floor is None:
+                    floor = {holder: gpu for holder, _, gpu, _ in matches}
+                spec = self.speculative.match(hashes, ctx.now, floor)
+            pop = spec.pop if spec else None
+            made: dict[int, PrefixHit] = {}  # most holders hold the same prefix (a shared system prompt): one hit each
+            for holder, held, gpu, _ in matches:
+                if pop is not None:
+                    s = pop(holder, 0)  # 0, or a speculative GPU prefix longer than the real GPU blocks
+                    if s >= held:
+                        held = gpu = s
+                    elif s:
+                        # Which real GPU blocks lie past the speculative prefix is unknown: count the speculative
+                        # ones only (a lower bound on the GPU share).
+                        gpu = s
+                key = held << 32 | gpu
+                hit = made.get(key)
+                if hit is None:
+                    gpu_t = min(cap, gpu * bs)
+                    hit = made[key] = PrefixHit(gpu, held - gpu, gpu_t, min(cap, held * bs) - gpu_t)
+                by[holder] = hit
             for holder, s in spec.items():
                 by[holder] = PrefixHit(s, 0, min(cap, s * bs), 0)
         return PrefixHits(by, n)

@@ -5,7 +5,7 @@ Plain frozen values built by the proxy (live) or the cluster simulator (offline)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, NamedTuple
@@ -129,9 +129,29 @@ class Snapshot:
     def of(cls, pairs: Iterable[tuple[Endpoint, EndpointState]], taken_at: float = 0.0) -> Snapshot:
         return cls(dict(pairs), taken_at)
 
+    @classmethod
+    def of_ordered(cls, candidates: Sequence[Candidate], taken_at: float = 0.0) -> Snapshot:
+        """A snapshot of candidates already in Snapshot's order (distinct endpoints, sorted as `__post_init__` sorts):
+        the router core keeps its endpoints so, and a sort per decision over hundreds of them is not free."""
+        snap = object.__new__(cls)
+        object.__setattr__(snap, "states", MappingProxyType(dict(candidates)))
+        object.__setattr__(snap, "taken_at", taken_at)
+        object.__setattr__(snap, "candidates", tuple(candidates))
+        return snap
+
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(c.endpoint for c in self.candidates)
+
+    def routable(self, hop: Hop) -> list[Candidate]:
+        """The healthy candidates that may take `hop` (filters.routable), computed once per snapshot: the decode
+        pipeline and the P/D decider's prefill pipeline both start from it."""
+        memo: dict[Hop, list[Candidate]] = self.__dict__.setdefault("_routable", {})
+        got = memo.get(hop)
+        if got is None:
+            roles = HOP_ROLES[hop]
+            got = memo[hop] = [c for c in self.candidates if c.state.healthy and c.endpoint.role in roles]
+        return got
 
     def state(self, endpoint: Endpoint) -> EndpointState:
         return self.states[endpoint]
@@ -143,6 +163,49 @@ class EndpointScore:
 
     total: float
     parts: Mapping[str, float]
+
+
+class ScoreTable(Mapping["Endpoint", EndpointScore]):
+    """A decision's `scores`, built when first read: the candidates, their totals and the weighted columns they were
+    summed from. Routing reads only the totals; a dict of parts per candidate per request would cost more than the
+    choice itself on a large fleet."""
+
+    __slots__ = ("_cands", "_columns", "_table", "_totals")
+
+    def __init__(
+        self,
+        cands: Sequence[Candidate],
+        totals: Sequence[float],
+        columns: Sequence[tuple[str, float, Sequence[float]]],
+    ) -> None:
+        self._cands = cands
+        self._totals = totals
+        self._columns = columns
+        self._table: dict[Endpoint, EndpointScore] | None = None
+
+    def _built(self) -> dict[Endpoint, EndpointScore]:
+        table = self._table
+        if table is None:
+            parts: list[dict[str, float]] = [{} for _ in self._cands]
+            for name, weight, scores in self._columns:
+                for p, sc in zip(parts, scores, strict=True):
+                    p[name] = weight * sc
+            table = self._table = {
+                c.endpoint: EndpointScore(t, p) for c, t, p in zip(self._cands, self._totals, parts, strict=True)
+            }
+        return table
+
+    def __getitem__(self, endpoint: Endpoint) -> EndpointScore:
+        return self._built()[endpoint]
+
+    def __iter__(self) -> Iterator[Endpoint]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._cands)
+
+    def __repr__(self) -> str:
+        return repr(self._built())
 
 
 @dataclass(frozen=True, slots=True)

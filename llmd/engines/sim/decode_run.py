@@ -1,0 +1,269 @@
+"""Decode fast-forward: k decode-only steps of an engine core planned at once, carried out when their time comes.
+
+While every running request decodes and nothing can change the batch (no request to admit or a full batch, no finish
+and no capped drafts within reach, no lease to expire, KV blocks enough for every step), the next steps are fixed by
+the MTP acceptance draws alone. `plan` works out k steps' tokens, durations and KV work in a few array operations;
+`DecodeRun.apply` then carries out the first j of them on the core, exactly as j calls of `EngineCore.step` would (the
+same tokens, blocks, cached blocks, KV events in the same order, MTP draws consumed). A driver applies the steps that
+have started when something from outside touches the core (an arrival, a finished pull, a released lease) and drops
+the rest: nothing of them was done, and the next plan computes them again for the new batch.
+
+Why: in a large simulated fleet most engine steps are small decode batches, and each step through `EngineCore.step`
+(scheduling, sampling, one output per sequence) costs far more than the few numbers that differ from the last one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .uniforms import UniformStream, parse_accepted
+
+if TYPE_CHECKING:
+    from .core import EngineCore, StepCostModel
+    from .request import SimRequest
+
+# Step times along a run are interpolated where the latency model is a straight line in the batch's total context
+# (between exact probes); this is how close the probe must lie to the line.
+_LINE_TOL = 1e-12
+
+
+class DecodeRun:
+    """A plan of decode-only steps for one core, from model time `start`: `durations` per step, `gained[s][i]` the
+    tokens request i has gained by the end of step s. `applied` steps have been carried out, `cut` will be."""
+
+    __slots__ = (
+        "_done",
+        "_draws",
+        "_events",
+        "_gained",
+        "_next_event",
+        "applied",
+        "cut",
+        "durations",
+        "gained",
+        "n_scheduled",
+        "out0",
+        "requests",
+        "start",
+    )
+
+    def __init__(
+        self,
+        requests: list[SimRequest],
+        start: float,
+        durations: np.ndarray,
+        gained: np.ndarray,
+        events: list[tuple[int, int]],
+        draws: np.ndarray | None,
+        n_scheduled: int,
+    ) -> None:
+        self.requests = requests
+        self.start = start
+        self.durations = durations
+        self.gained = gained
+        self._events = events  # (step, request index) where allocate_slots has blocks to add or cache, in step order
+        self._next_event = 0
+        # The same as lists: read a number at a time per step, where numpy's scalars cost more than they save.
+        self._gained: list[list[int]] = gained.tolist()
+        self._draws = draws.tolist() if draws is not None else None  # MTP draws consumed by the end of each step
+        self.n_scheduled = n_scheduled  # tokens each request is scheduled per step: 1 + drafts
+        self.out0 = [len(r.output_token_ids) for r in requests]
+        self._done = [0] * len(requests)  # steps carried out per request
+        self.applied = 0
+        self.cut = len(durations)
+
+    def __len__(self) -> int:
+        return len(self.durations)
+
+    def apply(self, core: EngineCore, steps: int) -> None:
+        """Carries out steps up to `steps` (of at most `cut`): what `EngineCore.step` does in them, in its order."""
+        j = min(steps, self.cut)
+        a = self.applied
+        if j <= a:
+            return
+        kv = core.kv
+        events = self._events
+        p = self._next_event
+        if p < len(events) and events[p][0] < j:
+            n_sched = self.n_scheduled
+            cur = -1
+            while p < len(events) and events[p][0] < j:
+                s, i = events[p]
+                p += 1
+                if s != cur:
+                    if kv._cpu_jobs:
+                        kv.flush_cpu_stores()  # the CPU-tier writes of the last step that cached blocks, at its end
+                    cur = s
+                self._catch_up(core, i, s)
+                kv.allocate_slots(self.requests[i], n_sched)
+            if kv._cpu_jobs:
+                kv.flush_cpu_stores()
+            self._next_event = p
+        for i in range(len(self.requests)):
+            self._catch_up(core, i, j)
+        draws = self._draws
+        if draws is not None:
+            rng = core._mtp_rng
+            assert isinstance(rng, UniformStream)
+            rng.skip(draws[j - 1] - (draws[a - 1] if a else 0))
+        self.applied = j
+
+    def _catch_up(self, core: EngineCore, i: int, s: int) -> None:
+        """Request i's tokens up to the start of step s (sampled, appended, their full blocks hashed)."""
+        done = self._done
+        d = done[i]
+        if d >= s:
+            return
+        g = self._gained
+        n = g[s - 1][i] - (g[d - 1][i] if d else 0)
+        r = self.requests[i]
+        r.num_computed_tokens += n
+        r.append_output(r.draw_tokens(n, core.sampler))
+        core.generation_tokens_total += n
+        done[i] = s
+
+    def tokens(self, i: int, a: int, b: int) -> list[int]:
+        """Request i's tokens from steps a..b-1 (applied)."""
+        g = self._gained
+        o = self.out0[i]
+        lo = o + (g[a - 1][i] if a else 0)
+        return self.requests[i].output_token_ids[lo : o + g[b - 1][i]]
+
+
+def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
+    """The decode-only steps from `now` that nothing inside the core can change, or None when the next step is not
+    one (a prefill, an admission, a finish or capped drafts in reach, too few free blocks): step() it then."""
+    s = core.scheduler
+    running = s.running
+    if not running or core._pending_outputs:
+        return None
+    if (s.waiting or s.kv_ready) and len(running) < s.max_num_seqs:
+        # Admission is tried every step (and a blocked head request's prefix lookup refreshes the CPU tier's LRU);
+        # only a full batch skips it until a request finishes.
+        return None
+    n = len(running)
+    k_spec = s.num_spec
+    n_sched = 1 + k_spec
+    if n * n_sched > s.max_num_batched_tokens:
+        return None
+    inflight = s.inflight_prefills
+    max_len = s.max_model_len
+    ctx, rem, blocks0, cached0 = [], [], [], []
+    for r in running:
+        nt = r.num_tokens
+        n_out = len(r.output_token_ids)
+        if r.num_computed_tokens != nt - 1 or not n_out or r.request_id in inflight:
+            return None  # a prefill (or the last chunk of one) in the batch
+        ctx.append(nt)
+        rem.append(min(r.max_tokens - n_out, max_len - nt))
+        blocks0.append(len(r.block_ids))
+        cached0.append(r.num_cached_blocks)
+    # A step is safe while every request has k_spec + 2 tokens left at its start: even all drafts accepted, it cannot
+    # finish there, and no draft is capped. Each step gains at least one token, so at most this many steps are.
+    reach = min(rem) - k_spec - 1
+    if reach < 2:
+        return None
+    lat = core.latency
+    mtp = core._mtp_draws
+    draws = None
+    if k_spec and mtp is not None:
+        # Draw for about the steps the tokens left allow at the mean rate (more would be computed for nothing).
+        steps = min(max_steps, reach, int(reach / lat.tokens_per_decode_step() * 1.25) + 2)
+        beta, k_lat = mtp
+        m = steps * n
+        rng = core._mtp_rng
+        assert isinstance(rng, UniformStream)
+        acc, used = parse_accepted(rng.peek(m * k_lat), beta, k_lat)
+        acc = acc[:m].reshape(steps, n)
+        if k_spec < k_lat:
+            acc = np.minimum(acc, k_spec)
+        step_tokens = acc + 1
+        draws = np.cumsum(used[:m].reshape(steps, n).sum(axis=1))
+    elif k_spec:
+        return None  # a latency model whose draws we cannot replay in bulk: single steps
+    else:
+        steps = min(max_steps, reach)
+        step_tokens = np.ones((steps, n), dtype=np.int64)
+    gained = np.cumsum(step_tokens, axis=0)
+    before = gained - step_tokens  # tokens gained before each step starts
+    ok = ((np.array(rem) - before) >= k_spec + 2).all(axis=1)
+    k = steps if ok.all() else int(np.argmin(ok))
+    if k < 2:
+        return None
+    # KV: a decode holds blocks for its context and drafts (allocate_slots' need) and caches its full blocks.
+    bs = core.kv.block_size
+    context = np.array(ctx) + before[:k]
+    b0 = np.array(blocks0)
+    blocks = np.maximum((context + (k_spec + bs - 1)) // bs, b0)
+    alloc = np.diff(blocks, axis=0, prepend=b0[None, :])
+    cum_alloc = np.cumsum(alloc.sum(axis=1))
+    free = core.kv.num_free_blocks
+    if cum_alloc[-1] > free:
+        k = int(np.searchsorted(cum_alloc, free, side="right"))  # that step would preempt: single-step it
+        if k < 2:
+            return None
+    c0 = np.array(cached0)
+    cache = np.diff(np.maximum(context[:k] // bs, c0), axis=0, prepend=c0[None, :])
+    durations = _durations(lat, context[:k])
+    expiry = core.next_lease_expiry()
+    if expiry is not None:
+        # step() frees a lease whose expiry is before the step's start: stop before that step.
+        starts = np.cumsum(np.concatenate(((now,), durations[:-1])))
+        k = int(np.searchsorted(starts, expiry, side="right"))
+        if k < 2:
+            return None
+    rows, cols = np.nonzero((alloc[:k] > 0) | (cache[:k] > 0))
+    events = list(zip(rows.tolist(), cols.tolist(), strict=True))
+    return DecodeRun(
+        list(running),
+        now,
+        durations[:k],
+        gained[:k],
+        events,
+        draws[:k] if draws is not None else None,
+        n_sched,
+    )
+
+
+def _durations(lat: StepCostModel, context: np.ndarray) -> np.ndarray:
+    """step_time((), row) for each row of contexts: exact at probes, interpolated between them where the latency
+    model is a straight line in the batch's total context.
+
+    For the project's latency model a decode step's time is a maximum of lines in the batch's total context (compute
+    or memory bound) wherever the contexts do not straddle DSA's top-k, where it also depends on how the total is
+    spread. So: first the run must cost the same with all its extra tokens on its longest context (else every step is
+    computed exactly); then a convex function that meets its chord at the midpoint is that chord, so a stretch whose
+    exact midpoint lies on the line through its ends is interpolated, and one that does not (a bend) is halved."""
+    k = len(context)
+    total = context.sum(axis=1).astype(np.float64)
+    out = np.empty(k)
+
+    def exact(s: int) -> float:
+        return lat.step_time((), context[s].tolist())
+
+    def near(x: float, y: float) -> bool:
+        return abs(x - y) <= _LINE_TOL * abs(y)
+
+    first, last = exact(0), exact(k - 1)
+    moved = context[0].copy()
+    moved[int(np.argmax(moved))] += int(total[-1] - total[0])
+    if k < 4 or not near(lat.step_time((), moved.tolist()), last):
+        return np.array([first, *(exact(s) for s in range(1, k - 1)), last])
+    stack = [(0, k - 1, first, last)]
+    while stack:
+        a, b, ta, tb = stack.pop()
+        out[a], out[b] = ta, tb
+        if b - a < 2:
+            continue
+        m = (a + b) // 2
+        tm = exact(m)
+        slope = (tb - ta) / (total[b] - total[a])
+        if near(ta + (total[m] - total[a]) * slope, tm):
+            out[a + 1 : b] = ta + (total[a + 1 : b] - total[a]) * slope
+            out[m] = tm
+        else:
+            stack.append((a, m, ta, tm))
+            stack.append((m, b, tm, tb))
+    return out
