@@ -68,4 +68,3 @@ def run_simulated_sweep(path: Path, *, workers: int | None = None) -> int:
     (root / "sweep.json").write_text(json.dumps(table, indent=1, default=str) + "\n")
     print(f"results: {root}/<index>/metrics.h5, one row per variant in {root / 'sweep.json'}")
     return 1 if failed else 0
-
