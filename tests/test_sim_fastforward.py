@@ -228,3 +228,31 @@ def test_the_cluster_simulator_gives_the_same_run_with_and_without_fast_forward(
             s.cached_tokens,
         )
         assert _same_times(c.token_times, s.token_times)
+
+
+def test_outputs_of_scripted_requests_need_no_step_carried_out() -> None:
+    """A run's outputs come from the requests' output scripts before its steps are carried out (the simulator then
+    carries out only steps with KV work at their ends), and are what carrying them out gives."""
+
+    def start() -> tuple[EngineCore, Any]:
+        core = EngineCore(
+            SimEngineConfig(block_size=16, num_gpu_blocks=4000, max_model_len=8192, num_speculative_tokens=3), LAT
+        )
+        for i in range(3):
+            core.add_request(SimRequest(f"r{i}", list(range(2200 + i)), 300, output_script=list(range(5, 305))))
+        now = 0.0
+        while any(not r.output_token_ids for r in core.requests.values()):
+            now += core.step(now).duration_s
+        run = core.plan_decode(now)
+        assert run is not None and run.scripted
+        return core, run
+
+    core, run = start()
+    early = [[(o.request_id, o.new_token_ids) for o in core.decode_outputs(run, s, s + 1)] for s in range(len(run))]
+    assert run.applied == 0
+    core2, run2 = start()
+    late = []
+    for s in range(len(run2)):
+        core2.advance(run2, s + 1)
+        late.append([(o.request_id, o.new_token_ids) for o in core2.decode_outputs(run2, s, s + 1)])
+    assert early == late

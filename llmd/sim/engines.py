@@ -159,8 +159,7 @@ class SimRank:
         # now, as the _step event single steps schedule then.
         begun = min(1 + bisect_left(self._run_ends, self.loop.now), run.cut)
         if begun > run.applied:
-            self.steps += begun - run.applied
-            self._run_events += self.core.advance(run, begun)
+            self._advance(run, begun)
 
     def interrupt(self) -> None:
         """Something from outside is about to change the core: the run ends with the step under way (or now)."""
@@ -177,9 +176,11 @@ class SimRank:
         if run is not self._run:
             return  # the run ended early
         s = self._run_done
-        if run.applied <= s:
-            self.steps += s + 1 - run.applied
-            self._run_events += self.core.advance(run, s + 1)
+        last = s + 1 >= run.cut
+        if run.applied <= s and (last or not run.scripted or run.has_events(s)):
+            # Steps without KV work change nothing anyone sees before the next one that has some, a read of the core
+            # (sync) or the run's end: they are carried out then, several at once.
+            self._advance(run, s + 1)
         self._run_done = s + 1
         t = self.loop.now
         sinks = self.sinks
@@ -190,10 +191,15 @@ class SimRank:
         if self._run_events:
             self.fleet.publish(self, self._run_events)
             self._run_events = []
-        if s + 1 >= run.cut:
+        if last:
             self._end_run()
         else:
             self.loop.at(self._run_ends[s + 1], self._run_step_end, run)
+
+    def _advance(self, run: DecodeRun, steps: int) -> None:
+        before = run.applied
+        self._run_events += self.core.advance(run, steps)
+        self.steps += run.applied - before
 
     def _end_run(self) -> None:
         self._run = None

@@ -319,12 +319,18 @@ class EngineCore:
         return self.kv.take_events()
 
     def decode_outputs(self, run: DecodeRun, a: int, b: int) -> list[RequestOutput]:
-        """Outputs of the carried-out steps a..b-1, one per request: for b = a + 1 what step() gives for that step."""
+        """Outputs of steps a..b-1, one per request: for b = a + 1 what step() gives for that step. Steps not yet
+        carried out are, when a request's tokens are not all in its output script."""
         out = []
         for i, r in enumerate(run.requests):
             if r.status != _RUNNING:
                 continue  # aborted meanwhile
-            out.append(RequestOutput(r.request_id, run.tokens(i, a, b), False, None, r.num_cached_tokens))
+            toks = run.tokens(i, a, b)
+            if toks is None:
+                run.apply(self, b)
+                toks = run.tokens(i, a, b)
+                assert toks is not None
+            out.append(RequestOutput(r.request_id, toks, False, None, r.num_cached_tokens))
         return out
 
     def _emit(

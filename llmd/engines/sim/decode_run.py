@@ -36,6 +36,7 @@ class DecodeRun:
     __slots__ = (
         "_done",
         "_draws",
+        "_event_steps",
         "_events",
         "_gained",
         "_next_event",
@@ -46,6 +47,7 @@ class DecodeRun:
         "n_scheduled",
         "out0",
         "requests",
+        "scripted",
         "start",
     )
 
@@ -64,12 +66,19 @@ class DecodeRun:
         self.durations = durations
         self.gained = gained
         self._events = events  # (step, request index) where allocate_slots has blocks to add or cache, in step order
+        self._event_steps = {st for st, _ in events}
         self._next_event = 0
         # The same as lists: read a number at a time per step, where numpy's scalars cost more than they save.
         self._gained: list[list[int]] = gained.tolist()
         self._draws = draws.tolist() if draws is not None else None  # MTP draws consumed by the end of each step
         self.n_scheduled = n_scheduled  # tokens each request is scheduled per step: 1 + drafts
         self.out0 = [len(r.output_token_ids) for r in requests]
+        # Every request's tokens of the whole run are in its output script: outputs need no step carried out.
+        last = self._gained[-1]
+        self.scripted = all(
+            r.script_tokens is not None and len(r.script_tokens) >= o + last[i]
+            for i, (r, o) in enumerate(zip(requests, self.out0, strict=True))
+        )
         self._done = [0] * len(requests)  # steps carried out per request
         self.applied = 0
         self.cut = len(durations)
@@ -124,12 +133,24 @@ class DecodeRun:
         core.generation_tokens_total += n
         done[i] = s
 
-    def tokens(self, i: int, a: int, b: int) -> list[int]:
-        """Request i's tokens from steps a..b-1 (applied)."""
+    def tokens(self, i: int, a: int, b: int) -> list[int] | None:
+        """Request i's tokens from steps a..b-1: read from its output script, or from its output once those steps are
+        carried out; None when neither can say yet (random tokens past the script, steps not carried out)."""
         g = self._gained
         o = self.out0[i]
         lo = o + (g[a - 1][i] if a else 0)
-        return self.requests[i].output_token_ids[lo : o + g[b - 1][i]]
+        hi = o + g[b - 1][i]
+        r = self.requests[i]
+        script = r.script_tokens
+        if script is not None and hi <= len(script):
+            return script[lo:hi]  # what draw_tokens will take from it
+        if self._done[i] >= b:
+            return r.output_token_ids[lo:hi]
+        return None
+
+    def has_events(self, s: int) -> bool:
+        """Whether step s allocates or caches blocks (so has KV events, or CPU-tier writes, to send at its end)."""
+        return s in self._event_steps
 
 
 def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
