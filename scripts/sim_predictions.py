@@ -68,7 +68,7 @@ def run(name: str, spec: Any, warmup_s: float, calibrated: bool) -> dict[str, An
         name=name,
         wall_s=time.perf_counter() - t0,
         steady_rpm=steady_rate(sim.calls, warmup_s, end) if end > warmup_s else math.nan,
-        input_tpm=sum(len(c.ctx) for c in ok) * 60 / span,
+        input_tpm=sum(c.input_tokens for c in ok) * 60 / span,
         output_tpm=sum(c.output_tokens for c in ok) * 60 / span,
         requests_per_min=st.requests_per_min,
     )

@@ -193,7 +193,7 @@ def test_trace_replay_keeps_times_order_and_forks(tmp_path: Path) -> None:
             )
         }
     )
-    sim = Simulation(spec, run_id="tr")
+    sim = Simulation(spec, run_id="tr", keep_contexts=True)
     stats = sim.run()
     calls = {c.request_id: c for c in sim.calls}
     assert set(calls) == {"main#0", "main#1", "main#2", "sub#0", "other#0"} and stats.errors == 0

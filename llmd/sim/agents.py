@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmd.sim.context import Context, ContextBuilder
 from llmd.sim.loop import EventLoop
@@ -33,7 +33,6 @@ class AgentStats:
     sent: int = 0
     done: int = 0
     failed: int = 0
-    calls: list[Call] = field(default_factory=list)  # finished, for the client's rows (the recorder takes them)
 
 
 class Agents:
@@ -183,7 +182,6 @@ class _Session:
         a = self.agents
         a.inflight -= 1
         a.stats.done += 1
-        a.stats.calls.append(call)
         if call.status != 200:
             a.stats.failed += 1
             self.on_end()
@@ -280,7 +278,6 @@ class _TraceSession:
         a = self.agents
         a.inflight -= 1
         a.stats.done += 1
-        a.stats.calls.append(call)
         if call.status != 200:
             a.stats.failed += 1
             self._end()

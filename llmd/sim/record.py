@@ -31,7 +31,7 @@ def client_row(call: Call) -> dict[str, Any]:
         "is_subagent": call.is_subagent,
         "send_time": call.send_time,
         "status": call.status,
-        "input_tokens": len(call.ctx),
+        "input_tokens": call.input_tokens,
     }
     if call.done_time is not None:
         row["e2e_s"] = call.done_time - call.send_time
@@ -62,7 +62,7 @@ def router_row(call: Call) -> dict[str, Any]:
         "session": call.session,
         "send_time": call.received,
         "status": call.status,
-        "input_tokens": len(call.ctx),
+        "input_tokens": call.input_tokens,
     }
     if call.done_time is not None:
         row["e2e_s"] = call.done_time - call.received
@@ -131,9 +131,9 @@ class SimRecorder:
 
     def _router_series(self, t: float, dt: float, routed: list[Call]) -> list[dict[str, Any]]:
         core = self.router.core
-        prompt = sum(len(c.ctx) for c in routed)
+        prompt = sum(c.input_tokens for c in routed)
         on_pod = [c for c in routed if c.pod]
-        routed_tokens = sum(len(c.ctx) for c in on_pod)
+        routed_tokens = sum(c.input_tokens for c in on_pod)
         gpu = sum(c.gpu_hit_tokens for c in on_pod)
         cpu = sum(c.cpu_hit_tokens for c in on_pod)
         errors = sum(1 for c in routed if c.status >= 400 or c.error)

@@ -41,6 +41,7 @@ class Call:
     send_time: float
     on_done: Callable[[Call], None]
     new_tokens: int = 0  # tokens the turn adds to its session's context: what an incremental tokenizer has to read
+    input_tokens: int = 0  # len(ctx), kept when a finished call lets its context go
     received: float = 0.0  # at the router
     parsed: float = 0.0  # the router has read and hashed it: admission starts
     admitted: float | None = None
