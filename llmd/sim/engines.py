@@ -348,6 +348,13 @@ class Fleet:
         for r in self.ranks:
             r.scrape()
 
+    def sync(self) -> None:
+        """Every core as single steps would have left it by now: a rank in a decode run carries out the steps begun.
+        For readers of the cores outside the loop's events (a scrape syncs the ranks it reads; the recorder's
+        per-second engine rows and end-of-run stats should sync first)."""
+        for r in self.ranks:
+            r.sync()
+
 
 def _rank_config(cfg: SimServerConfig, rank: int, info: PodInfo) -> Any:
     from dataclasses import replace
