@@ -121,6 +121,7 @@ class SimRecorder:
         if routed:
             self.writers["router"].append_requests([router_row(c) for c in routed])
         self.writers["router"].append_timeseries(self._router_series(self._t, dt, routed))
+        self.fleet.sync()  # ranks in a decode fast-forward carry out the steps begun by now before they are read
         series = []
         for name, rank in self._engines:
             cur = rank.core.stats()

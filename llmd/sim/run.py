@@ -216,6 +216,7 @@ class Simulation:
             s.makespan_s = max(c.done_time or 0.0 for c in ok)
         if queue:
             s.queue_p90_s = float(np.percentile(queue, 90))
+        self.fleet.sync()  # the engines' counters as single steps would have left them
         q = h = hg = 0
         for r in self.fleet.ranks:
             st = r.core.stats()
