@@ -67,6 +67,33 @@ class Agents:
             (self._seed_base + self._runs * 0x9E3779B97F4A7C15) & (2**64 - 1), n
         )
 
+    def send_turn(self, turn: Turn, prompt: Context, on_done: Callable[[Call], None], new_tokens: int) -> None:
+        """Send a session's turn with this prompt; its answer is the planned output, fresh tokens."""
+        call = Call(
+            f"{turn.session_id}#{turn.turn_index}",
+            turn.session_id,
+            turn.turn_index,
+            turn.is_subagent,
+            prompt,
+            turn.output_tokens,
+            self._fresh(turn.output_tokens),
+            self.loop.now,
+            on_done,
+            new_tokens,
+        )
+        self.stats.sent += 1
+        self.inflight += 1
+        self.send(call)
+
+    def answered(self, call: Call) -> bool:
+        """Count a finished call; False when it failed (its session cannot go on)."""
+        self.inflight -= 1
+        self.stats.done += 1
+        if call.status != 200:
+            self.stats.failed += 1
+            return False
+        return True
+
     def start(self) -> None:
         self.live = self.workload.profile.agents
         for a in range(self.workload.profile.agents):
@@ -162,28 +189,11 @@ class _Session:
             self.on_end()
             return
         prompt = self._prompt(turn)
-        call = Call(
-            f"{turn.session_id}#{turn.turn_index}",
-            turn.session_id,
-            turn.turn_index,
-            turn.is_subagent,
-            prompt,
-            turn.output_tokens,
-            a._fresh(turn.output_tokens),
-            a.loop.now,
-            lambda c: self._done(turn, c),
-            turn.new_tokens,
-        )
-        a.stats.sent += 1
-        a.inflight += 1
-        a.send(call)
+        a.send_turn(turn, prompt, lambda c: self._done(turn, c), turn.new_tokens)
 
     def _done(self, turn: Turn, call: Call) -> None:
         a = self.agents
-        a.inflight -= 1
-        a.stats.done += 1
-        if call.status != 200:
-            a.stats.failed += 1
+        if not a.answered(call):
             self.on_end()
             return
         self.ctx = a.builder.extend(call.ctx, call.output)
@@ -258,28 +268,11 @@ class _TraceSession:
             base = b.empty  # a new context (or one the previous is not a prefix of)
         new = turn.input_tokens - len(base)
         prompt = b.extend(base, a._fresh(new))
-        call = Call(
-            f"{turn.session_id}#{turn.turn_index}",
-            turn.session_id,
-            turn.turn_index,
-            turn.is_subagent,
-            prompt,
-            turn.output_tokens,
-            a._fresh(turn.output_tokens),
-            a.loop.now,
-            self._done,
-            new,
-        )
-        a.stats.sent += 1
-        a.inflight += 1
-        a.send(call)
+        a.send_turn(turn, prompt, self._done, new)
 
     def _done(self, call: Call) -> None:
         a = self.agents
-        a.inflight -= 1
-        a.stats.done += 1
-        if call.status != 200:
-            a.stats.failed += 1
+        if not a.answered(call):
             self._end()
             return
         a.latest[self.ts.session_id] = call.ctx
