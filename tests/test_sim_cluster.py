@@ -258,8 +258,8 @@ def test_simulation_agrees_with_the_live_demo() -> None:
     issue's 5%. The live TTFT is one run on a shared 2-core machine whose one event loop carries everything: live runs
     of this config gave p50 113-151 ms and p90 303-493 ms (303 on a quiet CI machine, 493 beside three busy
     processes), a spread the sim's fixed CPU costs cannot follow (scaling them by the loop thread's measured CPU time
-    overshoots: most of that time is off the requests' critical path). So p50 is held within 30%, p90 within 40% (a
-    sim without the event loop's queue misses it by half), and benchmarks/cluster_sim.py reports the error against
+    overshoots: most of that time is off the requests' critical path). So p50 is held within 30%, p90 within 40% (the
+    sim without the event loop's queue gives 227 ms), and benchmarks/cluster_sim.py reports the error against
     the 10% target on a quiet machine."""
     import asyncio
 
