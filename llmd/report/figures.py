@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from llmd.report.summary import _errors, client_rows, hit_share_per_turn
+from llmd.report.summary import client_rows, failed, hit_share_per_turn
 
 FIGURES = ("ttft_cdf.png", "throughput.png", "cache_hit_per_turn.png")
 
@@ -30,7 +30,7 @@ def _plt():
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
     df = client_rows(df)
-    return df[~_errors(df)] if len(df) else df
+    return df[~failed(df)] if len(df) else df
 
 
 def throughput_series(df: pd.DataFrame, bin_s: float = 1.0) -> pd.DataFrame:

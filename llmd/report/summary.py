@@ -63,7 +63,8 @@ def client_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _errors(df: pd.DataFrame) -> pd.Series:
+def failed(df: pd.DataFrame) -> pd.Series:
+    """True for a request that got no 2xx answer or reported an error (the summary's and analysis' one rule)."""
     status = df["status"].astype(int)
     return (status < 200) | (status >= 300) | (df["error"].astype(str) != "")
 
@@ -124,7 +125,7 @@ def summarize_frames(
     n = len(df)
     if n == 0:
         return RunSummary(label, 0, 0, 0.0, 0, 0, 0, 0.0, 0.0, None, None, None, None, None, preemptions=preemptions)
-    err = _errors(df)
+    err = failed(df)
     ok = df[~err]
     inp = ok["input_tokens"].astype(int)
     out = ok["output_tokens"].astype(int)
@@ -169,7 +170,7 @@ def summarize(path: str | os.PathLike[str], *, label: str = "", preemptions: int
 def hit_share_per_turn(requests: pd.DataFrame) -> pd.Series:
     """Cache-hit share (cached / prompt tokens) by turn index, over successful requests reporting both."""
     df = client_rows(requests)
-    df = df[~_errors(df) & (df["input_tokens"] > 0) & (df["cached_tokens"] >= 0) & (df["turn"] >= 0)]
+    df = df[~failed(df) & (df["input_tokens"] > 0) & (df["cached_tokens"] >= 0) & (df["turn"] >= 0)]
     if not len(df):
         return pd.Series(dtype=float)
     g = df.groupby("turn")[["cached_tokens", "input_tokens"]].sum()
