@@ -177,6 +177,25 @@ def hit_share_per_turn(requests: pd.DataFrame) -> pd.Series:
     return (g["cached_tokens"] / g["input_tokens"]).astype(float)
 
 
+def throughput_series(df: pd.DataFrame, bin_s: float = 1.0) -> pd.DataFrame:
+    """Tokens per second by completion time bin: columns t, tokens_in_per_s, tokens_out_per_s, requests_per_s."""
+    ok = client_rows(df)
+    ok = ok[~failed(ok)] if len(ok) else ok
+    done = (ok["send_time"] + ok["e2e_s"]).to_numpy(dtype=float)
+    keep = np.isfinite(done)
+    if not keep.any():
+        return pd.DataFrame({"t": [], "tokens_in_per_s": [], "tokens_out_per_s": [], "requests_per_s": []})
+    done = done[keep]
+    bins = np.floor(done / bin_s).astype(int)
+    n = int(bins.max()) + 1
+    inp = np.bincount(bins, ok["input_tokens"].to_numpy()[keep].clip(min=0), n) / bin_s
+    out = np.bincount(bins, ok["output_tokens"].to_numpy()[keep].clip(min=0), n) / bin_s
+    req = np.bincount(bins, None, n) / bin_s
+    return pd.DataFrame(
+        {"t": np.arange(n) * bin_s, "tokens_in_per_s": inp, "tokens_out_per_s": out, "requests_per_s": req}
+    )
+
+
 # ---- rendering ---------------------------------------------------------------------------------------------------
 
 
