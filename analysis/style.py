@@ -63,6 +63,17 @@ def colors(labels: Sequence[str]) -> dict[str, Any]:
     return {label: cmap(i % 10) for i, label in enumerate(sorted(set(labels), key=str))}
 
 
+def to_png(fig: Any) -> bytes:
+    """The figure as PNG bytes (a notebook shows them with IPython.display.Image), closed after."""
+    import io
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=DPI)
+    plt().close(fig)
+    return buf.getvalue()
+
+
 def save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
