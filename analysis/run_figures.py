@@ -198,10 +198,12 @@ def fabric_heatmap(fabrics: Sequence[Fabric]) -> Any:
             ax.set_yticks(range(n), names, fontsize=7)
         ax.grid(False)
         if n <= 12:
+            top = np.nanmax(m.gbps)
             for i in range(n):
                 for j in range(n):
-                    if np.isfinite(m.gbps[i, j]):
-                        ax.text(j, i, f"{m.gbps[i, j]:.0f}", ha="center", va="center", color="w", fontsize=7)
+                    v = m.gbps[i, j]
+                    if np.isfinite(v):  # dark text on viridis' bright end, light on its dark end
+                        ax.text(j, i, f"{v:.0f}", ha="center", va="center", color="k" if v > 0.6 * top else "w")
         ax.set_xlabel("to rank")
         ax.set_ylabel("from rank")
         size = f", {m.nbytes / 2**20:,.0f} MiB transfers" if m.nbytes else ""
