@@ -52,8 +52,8 @@ services-down:
 	-slurm/local-cluster.sh stop
 
 lint: $(STAMP)-test
-	$(VENV)/bin/ruff check llmd launchers sweeps tests benchmarks scripts
-	$(VENV)/bin/ruff format --check llmd launchers sweeps tests benchmarks scripts
+	$(VENV)/bin/ruff check llmd launchers sweeps analysis tests benchmarks scripts
+	$(VENV)/bin/ruff format --check llmd launchers sweeps analysis tests benchmarks scripts
 
 # Every benchmark, one run each, printing `name: value  # target ... (ratio R)` lines.
 bench: $(STAMP)-light

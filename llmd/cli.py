@@ -20,7 +20,9 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 
 def _registrars() -> list[Registrar]:
     # Imported lazily so `llmd --help` stays fast and a missing optional dependency breaks only its own command.
-    # The control plane's commands are imported here only, never by the runtime (tests/test_layering.py).
+    # The control plane's commands are imported here only, never by the runtime (tests/test_layering.py); so is
+    # analysis/, which reads what runs leave on disk.
+    from analysis import cli as analyze_cli
     from launchers import cli as launch_cli
     from llmd import demo
     from llmd.engines.sim import cli as sim_cli
@@ -42,6 +44,7 @@ def _registrars() -> list[Registrar]:
         simulate_cli.register,
         bench_cli.register,
         report_cli.register,
+        analyze_cli.register,
         launch_cli.register,
         sweep_cli.register,
         fabric_cli.register,

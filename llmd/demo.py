@@ -356,8 +356,9 @@ def run_demo(args: argparse.Namespace) -> int:
 def _report(spec: Any, runs: list[PolicyRun], out: Path, wall_s: float) -> None:
     from rich.console import Console
 
+    # The figures come from analysis/, the one plotting path (imported here, at the edge, once the run is on disk).
+    from analysis.run_figures import write_demo_figures
     from llmd.metrics import read_requests, read_timeseries
-    from llmd.report.figures import write_figures
     from llmd.report.summary import summarize_frames, summary_table
 
     frames = {}
@@ -373,11 +374,11 @@ def _report(spec: Any, runs: list[PolicyRun], out: Path, wall_s: float) -> None:
             s.hit_share_gpu, s.hit_share_cpu = r.engine_hits["gpu"], r.engine_hits["cpu"]
         summaries.append(s)
         (r.out_dir / "summary.json").write_text(json.dumps(s.as_dict(), indent=1) + "\n")
-    figures = write_figures(frames, out)
+    figures = write_demo_figures(frames, out)
     if len(runs) > 1:  # each policy's own figures next to its HDF5 as well
         for r in runs:
             if r.policy in frames:
-                write_figures({r.policy: frames[r.policy]}, r.out_dir)
+                write_demo_figures({r.policy: frames[r.policy]}, r.out_dir)
     w = spec.workload
     agents = "" if w.profile == "smoke" else f", {w.concurrency} agents"
     pools = " + ".join(f"{pool.replicas} {role}" for role, pool in spec.pools.items())
@@ -386,7 +387,7 @@ def _report(spec: Any, runs: list[PolicyRun], out: Path, wall_s: float) -> None:
     console.print(title)
     console.print(summary_table(summaries))
     print(f"metrics: {', '.join(str(r.metrics) for r in runs)}")
-    print(f"figures: {', '.join(p.name for p in figures)} in {out}")
+    print(f"figures: {', '.join(p.name for p in figures)} in {out} (all of them: llmd analyze {out})")
     print(f"done in {wall_s:.1f} s")
 
 

@@ -1,4 +1,5 @@
-"""Reports from a synthetic metrics HDF5: summary numbers, the llm-d Benchmark Report export, figures."""
+"""Reports from a synthetic metrics HDF5: summary numbers and the llm-d Benchmark Report export (the figures are
+analysis/'s: tests/test_analysis*.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import yaml
 from llmd.metrics import MetricsWriter, read_requests
 from llmd.report import hit_share_per_turn, summarize
 from llmd.report.export import report_for_file, stats, validate
-from llmd.report.figures import FIGURES, figures_for_files
 from llmd.report.summary import summary_rows
 from llmd.spec import DeploymentSpec
 
@@ -142,10 +142,3 @@ def test_stats_skip_non_finite() -> None:
     s = stats([1.0, math.nan, 3.0], "s")
     assert s is not None and s["mean"] == 2.0 and s["min"] == 1.0 and s["max"] == 3.0
     assert stats([math.nan], "s") is None
-
-
-def test_figures_are_written(h5, tmp_path) -> None:
-    paths = figures_for_files({"a": h5, "b": h5}, tmp_path / "figs")
-    assert [p.name for p in paths] == list(FIGURES)
-    for p in paths:
-        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

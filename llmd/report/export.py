@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from llmd.engines.kinds import engine_kind
-from llmd.report.summary import _errors, client_rows, summarize_frames
+from llmd.report.summary import client_rows, failed, summarize_frames, throughput_series
 
 REPORT_VERSION = "0.2"
 SUMMARY_FILE = "summary.json"  # written by `llmd demo` next to metrics.h5; adds what the HDF5 lacks (preemptions)
@@ -177,7 +177,7 @@ def build_report(
     extra = extra or {}
     summary = summarize_frames(requests, timeseries, preemptions=extra.get("preemptions"))
     df = client_rows(requests)
-    err = _errors(df) if len(df) else pd.Series(dtype=bool)
+    err = failed(df) if len(df) else pd.Series(dtype=bool)
     ok = df[~err] if len(df) else df
     spec = _spec_dict(meta)
     start = float(meta.get("start_time") or 0.0)
@@ -264,8 +264,6 @@ def build_report(
 
 
 def _time_series(ok: pd.DataFrame, start: float) -> dict[str, Any] | None:
-    from llmd.report.figures import throughput_series
-
     ts = throughput_series(ok)
     if not len(ts):
         return None

@@ -63,7 +63,8 @@ def client_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _errors(df: pd.DataFrame) -> pd.Series:
+def failed(df: pd.DataFrame) -> pd.Series:
+    """True for a request that got no 2xx answer or reported an error (the summary's and analysis' one rule)."""
     status = df["status"].astype(int)
     return (status < 200) | (status >= 300) | (df["error"].astype(str) != "")
 
@@ -124,7 +125,7 @@ def summarize_frames(
     n = len(df)
     if n == 0:
         return RunSummary(label, 0, 0, 0.0, 0, 0, 0, 0.0, 0.0, None, None, None, None, None, preemptions=preemptions)
-    err = _errors(df)
+    err = failed(df)
     ok = df[~err]
     inp = ok["input_tokens"].astype(int)
     out = ok["output_tokens"].astype(int)
@@ -169,11 +170,30 @@ def summarize(path: str | os.PathLike[str], *, label: str = "", preemptions: int
 def hit_share_per_turn(requests: pd.DataFrame) -> pd.Series:
     """Cache-hit share (cached / prompt tokens) by turn index, over successful requests reporting both."""
     df = client_rows(requests)
-    df = df[~_errors(df) & (df["input_tokens"] > 0) & (df["cached_tokens"] >= 0) & (df["turn"] >= 0)]
+    df = df[~failed(df) & (df["input_tokens"] > 0) & (df["cached_tokens"] >= 0) & (df["turn"] >= 0)]
     if not len(df):
         return pd.Series(dtype=float)
     g = df.groupby("turn")[["cached_tokens", "input_tokens"]].sum()
     return (g["cached_tokens"] / g["input_tokens"]).astype(float)
+
+
+def throughput_series(df: pd.DataFrame, bin_s: float = 1.0) -> pd.DataFrame:
+    """Tokens per second by completion time bin: columns t, tokens_in_per_s, tokens_out_per_s, requests_per_s."""
+    ok = client_rows(df)
+    ok = ok[~failed(ok)] if len(ok) else ok
+    done = (ok["send_time"] + ok["e2e_s"]).to_numpy(dtype=float)
+    keep = np.isfinite(done)
+    if not keep.any():
+        return pd.DataFrame({"t": [], "tokens_in_per_s": [], "tokens_out_per_s": [], "requests_per_s": []})
+    done = done[keep]
+    bins = np.floor(done / bin_s).astype(int)
+    n = int(bins.max()) + 1
+    inp = np.bincount(bins, ok["input_tokens"].to_numpy()[keep].clip(min=0), n) / bin_s
+    out = np.bincount(bins, ok["output_tokens"].to_numpy()[keep].clip(min=0), n) / bin_s
+    req = np.bincount(bins, None, n) / bin_s
+    return pd.DataFrame(
+        {"t": np.arange(n) * bin_s, "tokens_in_per_s": inp, "tokens_out_per_s": out, "requests_per_s": req}
+    )
 
 
 # ---- rendering ---------------------------------------------------------------------------------------------------
