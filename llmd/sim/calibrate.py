@@ -3,8 +3,10 @@ point, and freeze them in an efficiency file (llmd.perf.efficiency) that later r
 
 The measured point is a closed-loop run: N agents, requests per minute at steady state. One number fixes one degree
 of freedom, so the fit scales the datasheet efficiencies together (mfu, bw_efficiency and link_efficiency times one
-factor s, each capped at 1): what the kernels reach of the roofline, not the roofline's shape. s is found by bisection
-on requests/min, which rises with s (faster steps, shorter turns, agents come back sooner).
+factor s, each capped at 1): what the kernels reach of the roofline, not the roofline's shape. requests/min rises with s
+(faster steps, shorter turns, agents come back sooner), so s is found by bracketing it: regula falsi in log s with the
+Illinois step (an interpolated guess, the stale end's weight halved when one end keeps moving), which needs a few
+trials where bisection needs ~7 for 1% — each trial is a whole simulation at 544 GPUs.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def calibrate(
     on_trial: Callable[[Trial], None] | None = None,
     **sim_kw: Any,
 ) -> tuple[Trial, list[Trial]]:
-    """The factor s whose simulated steady requests/min is within `tolerance` of `target_rpm` (bisection between
+    """The factor s whose simulated steady requests/min is within `tolerance` of `target_rpm` (searched between
     `lo` and `hi`, default: where the first efficiency reaches 1). Returns the best trial and all of them; UserError
     when the target lies outside what [lo, hi] can give (the model, not its efficiencies, is off then)."""
     from llmd.perf import get_gpu
@@ -100,14 +102,27 @@ def calibrate(
         )
     best = min((t_lo, t_hi), key=lambda t: abs(t.requests_per_min - target_rpm))
     a, b = t_lo, t_hi
+    # Residuals of the bracket's ends (rate - target: a below, b above), in log s: the rate's response to s flattens
+    # as think time dominates, so log s is the straighter axis.
+    fa, fb = a.requests_per_min - target_rpm, b.requests_per_min - target_rpm
+    side = 0  # which end moved last: -1 a, +1 b
     while len(trials) < max_trials and abs(best.requests_per_min - target_rpm) > tolerance * target_rpm:
-        # Bisection in log space: the rate's response to s flattens as think time dominates.
-        s = math.sqrt(a.scale * b.scale)
-        t = trial(s)
-        if t.requests_per_min < target_rpm:
-            a = t
+        la, lb = math.log(a.scale), math.log(b.scale)
+        x = lb - fb * (lb - la) / (fb - fa) if fb != fa else (la + lb) / 2
+        # Keep the guess inside the bracket's middle 90%: an end that barely moves would otherwise pin it there.
+        x = min(max(x, la + 0.05 * (lb - la)), lb - 0.05 * (lb - la))
+        t = trial(math.exp(x))
+        f = t.requests_per_min - target_rpm
+        if f < 0:
+            a, fa = t, f
+            if side == -1:
+                fb /= 2  # Illinois: b has not moved for two trials
+            side = -1
         else:
-            b = t
-        if abs(t.requests_per_min - target_rpm) < abs(best.requests_per_min - target_rpm):
+            b, fb = t, f
+            if side == 1:
+                fa /= 2
+            side = 1
+        if abs(f) < abs(best.requests_per_min - target_rpm):
             best = t
     return best, trials
