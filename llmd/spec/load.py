@@ -19,6 +19,7 @@ from pydantic_core import ErrorDetails
 
 from llmd.spec.checks import SpecError, SpecIssue, run_checks
 from llmd.spec.model import SKIP_CHECKS, DeploymentSpec
+from llmd.spec.values import printable
 
 EXAMPLE = "examples/tiny-local.yaml"
 
@@ -190,7 +191,8 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    text = json.dumps(value, ensure_ascii=False, default=str)
+    # json.dumps escapes C0 controls but not DEL, C1 or U+2028: those must not reach a terminal raw either.
+    text = printable(json.dumps(value, ensure_ascii=False, default=str))
     if len(text) <= 60:
         return text
     return text[:56] + '..."' if isinstance(value, str) else text[:57] + "..."
@@ -307,6 +309,8 @@ def issue_from_error(error: ErrorDetails) -> SpecIssue:
         noun = _KEY_NOUNS.get(parent, "key")
         message = f'unknown {noun} "{value}"{_did_you_mean(str(value), choices)}; use one of: {", ".join(choices)}'
         return SpecIssue(path, message)
+    if is_key and kind == "value_error":
+        return SpecIssue(path, f"key {_show(value)} in {parent} {ctx.get('error')}")
     if is_key:
         return SpecIssue(path, f"key {_show(value)} in {parent} is not a string; quote it")
     if kind == "invalid_key":
