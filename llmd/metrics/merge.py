@@ -13,6 +13,7 @@ import h5py
 from llmd.metrics.reader import READ_ERRORS, open_metrics, reading, unreadable
 from llmd.metrics.schema import NAME_BYTES, REQUEST_DTYPE, SCHEMA_VERSION, TIMESERIES_DTYPE, encode_str
 from llmd.metrics.writer import COMPRESSION, REQUEST_CHUNK_ROWS, TIMESERIES_CHUNK_ROWS, run_attrs
+from llmd.spec.redact import redact_spec_text
 
 # Bounded memory whatever the input size: ~600 B a request row.
 _BLOCK_ROWS = 1 << 20
@@ -90,7 +91,7 @@ def merge_runs(
         with reading(p) as f:
             spec = f["meta/spec"][()] if "meta/spec" in f else b""
             text = spec.decode("utf-8", "replace") if isinstance(spec, bytes) else str(spec)
-            metas.append((p, dict(f.attrs.items()), text))
+            metas.append((p, dict(f.attrs.items()), redact_spec_text(text)))  # inputs from before redaction too
     tmp = output.with_name(f".{output.name}.{os.getpid()}.merging")
     try:
         _write_merged(tmp, metas)

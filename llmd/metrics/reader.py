@@ -17,6 +17,7 @@ import pandas as pd
 
 from llmd.errors import UserError
 from llmd.metrics.schema import REQUEST_DTYPE, TIMESERIES_DTYPE, decode_columns
+from llmd.spec.redact import redact_spec_text
 
 # A SWMR reader retries a metadata read whose checksum fails, in case it raced the writer, sleeping twice as long each
 # time; HDF5's default of 100 tries makes a damaged file hang for ever. 24 tries span about 20 ms: far longer than
@@ -188,7 +189,8 @@ def _spec(group: h5py.Group) -> str:
     if "meta/spec" not in group:
         return ""
     value = group["meta/spec"][()]
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return redact_spec_text(text)  # files written before the writer redacted must not show a token in a report
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
