@@ -146,9 +146,13 @@ def header(script: str) -> list[str]:
     return out
 
 
-def check_script(script: str, spec, plan) -> None:
-    bash = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
+def bash_syntax_ok(*scripts: str) -> None:
+    # One bash for all of them: each is a whole script, so their concatenation parses iff each does.
+    bash = subprocess.run(["bash", "-n"], input="\n".join(scripts), capture_output=True, text=True, timeout=30)
     assert bash.returncode == 0, bash.stderr
+
+
+def check_script(script: str, spec, plan) -> None:
     head = header(script)
     assert all(not line.strip() or line.startswith("#") for line in head)
     sbatch = [line for line in head if line.startswith("#SBATCH")]
@@ -169,7 +173,7 @@ def check_script(script: str, spec, plan) -> None:
         assert f"--container-image={spec.slurm.container_image}" in shlex.split(main)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs())
 def test_random_slurm_and_env_values_are_refused_or_quoted(data: dict) -> None:
     try:
@@ -181,8 +185,10 @@ def test_random_slurm_and_env_values_are_refused_or_quoted(data: dict) -> None:
         return
     event("rendered")
     plan = plan_job(spec, RUN_DIR, WORKDIR, gpus=True, starter="basic", python=PYTHON)
-    check_script(render_plain(plan), spec, plan)
-    check_script(render_submitit(plan), spec, plan)
+    scripts = render_plain(plan), render_submitit(plan)
+    bash_syntax_ok(*scripts)
+    for script in scripts:
+        check_script(script, spec, plan)
 
 
 INJECTIONS = {
