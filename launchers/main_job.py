@@ -25,6 +25,7 @@ from llmd.errors import UserError
 from llmd.metrics.run_files import run_inputs
 from llmd.spec import load_spec
 from llmd.spec.layout import engine_endpoints
+from llmd.spec.redact import redact_text
 
 POLL_S = 1.0
 PROGRESS_EVERY_S = 3.0
@@ -255,7 +256,8 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
             run_dir, state="FAILED", phase="failed", cause=str(exc), result=str(result) if result else None,
             progress={"requests": _rows(result) if result else 0},
         )  # fmt: skip
-        print(f"llmd main job: FAILED: {exc}", file=sys.stderr, flush=True)
+        # The cause may quote an engine's or the client's log: no token it printed goes on to main.log.
+        print(f"llmd main job: FAILED: {redact_text(str(exc))}", file=sys.stderr, flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

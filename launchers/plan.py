@@ -12,7 +12,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmd.errors import UserError
 from llmd.spec import DeploymentSpec
+from llmd.spec.values import constraint_expression, control_character, printable, split_sbatch_option
 
 # Engine components start one task per node; whatever runs there (llmd.fabric or launchers.engine_task) decides from
 # its node index which replica and rank it serves.
@@ -53,7 +55,7 @@ class Component:
             if value is not None:
                 opts.append((key, value))
         if s.constraints:
-            opts.append(("constraint", "&".join(s.constraints)))
+            opts.append(("constraint", constraint_expression(s.constraints)))
         return opts
 
 
@@ -80,7 +82,7 @@ class JobPlan:
 
     def header_lines(self, component: Component) -> list[str]:
         lines = [_flag(k, v) for k, v in component.sbatch_options(self.spec)]
-        lines += [f"#SBATCH {opt}" for opt in self.extra]
+        lines += [_flag(*split_sbatch_option(opt)) for opt in self.extra]
         return lines
 
     def global_lines(self) -> list[str]:
@@ -170,7 +172,27 @@ class JobPlan:
 
 
 def _flag(key: str, value: str | None) -> str:
+    # shlex.quote's single quotes read the same to sbatch's #SBATCH tokenizer as to a shell, as long as the value
+    # holds no backslash (sbatch reads one as an escape even inside quotes): the spec and _script_path refuse those.
     return f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={shlex.quote(value)}"
+
+
+def _script_path(what: str, path: Path, *, output: bool = False) -> Path:
+    # Paths go into #SBATCH lines and comments of the script: one line, and nothing sbatch would read as syntax.
+    text = str(path)
+    found = control_character(text)
+    if found:
+        raise UserError(f"the {what} {printable(text)!r} holds {found}; a batch script cannot name it: rename it")
+    if "\\" in text:
+        raise UserError(f"the {what} {text!r} holds a backslash, which sbatch reads as an escape: rename it")
+    if "hetjob" in text.lower() or "packjob" in text.lower():
+        raise UserError(
+            f"the {what} {text!r} holds 'hetjob' or 'packjob', which sbatch reads anywhere in an #SBATCH line as the "
+            "start of another het-job component: rename it"
+        )
+    if output and "%" in text:
+        raise UserError(f"the {what} {text!r} holds '%', which Slurm reads as a file name pattern (%j): rename it")
+    return path
 
 
 def plan_job(
@@ -192,8 +214,8 @@ def plan_job(
         comps.append(Component(len(comps), role, pool.nodes, cpus, pool.gpus_per_node if gpus else 0))
     return JobPlan(
         spec=spec,
-        run_dir=run_dir,
-        workdir=workdir,
+        run_dir=_script_path("run folder", run_dir, output=True),
+        workdir=_script_path("working directory", workdir),
         components=comps,
         starter=starter,
         python=python,

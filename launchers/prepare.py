@@ -3,12 +3,14 @@ start elsewhere), and the checks that would otherwise fail only once the job run
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.spec import DeploymentSpec, dump_spec
+from llmd.spec.redact import redact_spec_text
 
 
 def absolute_spec(spec: DeploymentSpec, base: Path) -> DeploymentSpec:
@@ -52,5 +54,13 @@ def create_run_dir(run: Path, spec: DeploymentSpec) -> Path:
     for sub in ("logs", "exit", "parts"):
         (run / sub).mkdir(parents=True, exist_ok=True)
     spec_path = run / "spec.yaml"
-    spec_path.write_text(dump_spec(spec))
+    text = dump_spec(spec)
+    # The job reads its engines' env from this copy, so a token stays in it; the file is then the owner's alone
+    # (created so, not chmod-ed after: no moment when others could read it).
+    private = redact_spec_text(text) != text
+    fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    if private:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
     return spec_path

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd.errors import UserError
+from llmd.spec.redact import redact_data
 
 STATE_FILE = "run.json"
 # States the job writes itself; Slurm's (PENDING, CANCELLED, TIMEOUT, NODE_FAIL, PREEMPTED...) come from sacct.
@@ -50,7 +51,9 @@ def _locked(run_dir: Path) -> Iterator[None]:
 
 
 def update_state(run_dir: Path, /, **changes: Any) -> dict[str, Any]:
-    """Merge `changes` into run.json (nested dicts merged one level deep) and return the new state."""
+    """Merge `changes` into run.json (nested dicts merged one level deep) and return the new state. Secrets in them
+    (a token in a log tail quoted as the cause) are stored as ***: run.json is shown by `llmd status` and shared."""
+    changes = redact_data(changes)
     with _locked(run_dir):
         path = state_path(run_dir)
         try:

@@ -16,6 +16,7 @@ from launchers.prepare import absolute_spec, check_launchable
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.spec import dump_spec
+from llmd.spec.values import constraint_expression, split_sbatch_option
 from sweeps.grid import Sweep, load_sweep
 
 POLL_S = 3.0
@@ -50,10 +51,11 @@ def _executor(sweep: Sweep, folder: Path) -> Any:
         if value is not None:
             extra[key] = value
     if s.constraints:
-        extra["constraint"] = "&".join(s.constraints)
+        extra["constraint"] = constraint_expression(s.constraints)
     for opt in s.extra_sbatch:
-        key, _, value = opt.lstrip("-").partition("=")
-        extra[key] = value or True
+        # submitit writes each as `#SBATCH --key=<shlex-quoted value>`, or a bare flag for True.
+        key, value = split_sbatch_option(opt)
+        extra[key] = True if value is None else value
     ex = _Executor(folder=folder)
     ex.update_parameters(
         job_name=f"llmd-sweep-{sweep.name}",

@@ -20,6 +20,7 @@ from typing import Any
 from llmd.errors import UserError
 from llmd.spec import DeploymentSpec, SpecError, parse_spec
 from llmd.spec.load import load_yaml
+from llmd.spec.yaml_input import InputFileError, YAMLLimitError, read_text
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -44,13 +45,15 @@ class Sweep:
     variants: list[Variant]
 
 
-def _load_yaml(path: Path) -> Any:
+def _load_yaml(path: Path, what: str) -> Any:
     import yaml
 
     try:
-        return load_yaml(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
+        return load_yaml(read_text(path, what))
+    except InputFileError as exc:
+        raise UserError(f"{path}: {exc.problem}") from None
+    except YAMLLimitError as exc:
+        raise UserError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML: {exc}") from None
 
@@ -82,7 +85,7 @@ def expand(doc: Any, source: Path) -> Sweep:
     base = doc.get("base")
     if isinstance(base, str):
         base_path = (source.parent / base).resolve()
-        base_doc = _load_yaml(base_path)
+        base_doc = _load_yaml(base_path, "spec file")
         if base_doc is None:
             base_doc = {}
         base_where = str(base_path)
@@ -128,4 +131,4 @@ def expand(doc: Any, source: Path) -> Sweep:
 
 
 def load_sweep(path: Path) -> Sweep:
-    return expand(_load_yaml(path), path)
+    return expand(_load_yaml(path, "sweep file"), path)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
 
-from llmd.metrics.reader import open_metrics
+from llmd.metrics.reader import READ_ERRORS, open_metrics, reading, unreadable
 from llmd.metrics.schema import NAME_BYTES, REQUEST_DTYPE, SCHEMA_VERSION, TIMESERIES_DTYPE, encode_str
 from llmd.metrics.writer import COMPRESSION, REQUEST_CHUNK_ROWS, TIMESERIES_CHUNK_ROWS, run_attrs
+from llmd.spec.redact import redact_spec_text
 
 # Bounded memory whatever the input size: ~600 B a request row.
 _BLOCK_ROWS = 1 << 20
@@ -36,12 +38,15 @@ def _copy_table(
     old_name: bytes,
     new_name: bytes,
     swmr: bool,
+    path: Path,
 ) -> None:
-    if swmr:
-        src.refresh()
-    n = src.shape[0]
+    with _reads_of(path):
+        if swmr:
+            src.refresh()
+        n = src.shape[0]
     for lo in range(0, n, _BLOCK_ROWS):
-        block = src[lo : min(n, lo + _BLOCK_ROWS)]
+        with _reads_of(path):
+            block = src[lo : min(n, lo + _BLOCK_ROWS)]
         if shift_s:
             block[time_field] += shift_s
         if old_name != new_name:
@@ -49,6 +54,13 @@ def _copy_table(
         start = dst.shape[0]
         dst.resize((start + len(block),))
         dst[start:] = block
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return a.resolve() == b.resolve()
 
 
 def merge_runs(
@@ -61,26 +73,56 @@ def merge_runs(
 
     Times are moved onto one clock: each input's `send_time` / `t` is relative to its own start_time, the output's
     to the earliest start_time. Each input's root attributes and spec are kept under /sources/<producer>. Inputs may
-    still be being written (read as SWMR) or come from a killed writer.
+    still be being written (read as SWMR) or come from a killed writer. The output is written beside and moved into
+    place only when whole, so a damaged input (UnreadableMetrics, naming it) leaves no half-merged file, and an
+    input is never the output: nothing already written is overwritten or truncated.
     """
     output = Path(output)
+    paths = [Path(p) for p in inputs]
+    clash = next((p for p in paths if _same_file(p, output)), None)
+    if clash is not None:
+        raise ValueError(
+            f"{output} is also an input ({clash}); merging into it would destroy it: choose another output"
+        )
+    if not overwrite and output.exists():
+        raise FileExistsError(f"{output} exists; pass overwrite=True or choose another path")
     metas: list[tuple[Path, dict[str, object], str]] = []
-    for p in map(Path, inputs):
-        with open_metrics(p) as f:
+    for p in paths:
+        with reading(p) as f:
             spec = f["meta/spec"][()] if "meta/spec" in f else b""
-            metas.append((p, dict(f.attrs.items()), spec.decode() if isinstance(spec, bytes) else str(spec)))
+            text = spec.decode("utf-8", "replace") if isinstance(spec, bytes) else str(spec)
+            metas.append((p, dict(f.attrs.items()), redact_spec_text(text)))  # inputs from before redaction too
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.merging")
+    try:
+        _write_merged(tmp, metas)
+        _move_into_place(tmp, output, overwrite)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return output
+
+
+def _move_into_place(tmp: Path, output: Path, overwrite: bool) -> None:
+    if overwrite:
+        os.replace(tmp, output)
+        return
+    try:
+        os.link(tmp, output)  # fails if the output appeared meanwhile: never replaces a file
+    except FileExistsError:
+        raise FileExistsError(f"{output} exists; pass overwrite=True or choose another path") from None
+    except OSError:  # a filesystem without hard links
+        if output.exists():
+            raise FileExistsError(f"{output} exists; pass overwrite=True or choose another path") from None
+        os.replace(tmp, output)
+        return
+    tmp.unlink()
+
+
+def _write_merged(target: Path, metas: list[tuple[Path, dict[str, object], str]]) -> None:
     starts = [float(m["start_time"]) for _, m, _ in metas if "start_time" in m]
     t0 = min(starts) if starts else 0.0
-
-    mode = "w" if overwrite else "w-"
-    try:
-        out = h5py.File(output, mode, libver="latest")
-    except (FileExistsError, OSError) as e:
-        if not overwrite and output.exists():
-            raise FileExistsError(f"{output} exists; pass overwrite=True or choose another path") from e
-        raise
     taken: set[str] = set()
-    with out:
+    with h5py.File(target, "w", libver="latest") as out:
         names = []
         for _, attrs, _ in metas:
             producer = attrs.get("producer", "")
@@ -125,14 +167,30 @@ def merge_runs(
             old_b, new_b = encode_str(old, NAME_BYTES), encode_str(new, NAME_BYTES)
             with open_metrics(path) as f:
                 for name, dst, tf in (("requests", req, "send_time"), ("timeseries", ts, "t")):
-                    if name in f:
-                        src = f[name]
-                        if src.dtype != dst.dtype:
-                            raise ValueError(f"{path}:/{name} has dtype {src.dtype}, expected schema {dst.dtype}")
-                        _copy_table(src, dst, tf, shift, old_b, new_b, f.swmr_mode)
-                if "fabric" in f:
+                    with _reads_of(path):
+                        src = f.get(name)
+                        dtype = None if src is None else src.dtype
+                    if src is None:
+                        continue
+                    if dtype != dst.dtype:
+                        raise ValueError(f"{path}:/{name} has dtype {dtype}, expected schema {dst.dtype}")
+                    _copy_table(src, dst, tf, shift, old_b, new_b, f.swmr_mode, path)
+                with _reads_of(path):
+                    roles = list(f["fabric"]) if "fabric" in f else []
+                if roles:
                     # The fabric preflight's bandwidth matrices (llmd.fabric.record): /fabric/<role>, kept as written.
                     fabric = out.require_group("fabric")
-                    for role in f["fabric"]:
-                        f.copy(f["fabric"][role], fabric, name=_unique_name(role, set(fabric.keys())))
-    return output
+                    for role in roles:
+                        copy_name = _unique_name(role, set(fabric.keys()))
+                        with _reads_of(path):
+                            f.copy(f["fabric"][role], fabric, name=copy_name)
+
+
+@contextmanager
+def _reads_of(path: Path) -> Iterator[None]:
+    """Reads of an input file: their failures say that input is unreadable. Writes to the output stay outside, so a
+    full disk is reported as itself, not blamed on an input."""
+    try:
+        yield
+    except READ_ERRORS as exc:
+        raise unreadable(path, exc) from None

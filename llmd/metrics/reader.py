@@ -1,8 +1,12 @@
-"""Read metrics files into pandas: finished files, files still being written (SWMR) and files whose writer died."""
+"""Read metrics files into pandas: finished files, files still being written (SWMR) and files whose writer died; a
+truncated or damaged file is an UnreadableMetrics error naming it, within moments, never a hang."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,21 +15,129 @@ import h5py
 import numpy as np
 import pandas as pd
 
+from llmd.errors import UserError
 from llmd.metrics.schema import REQUEST_DTYPE, TIMESERIES_DTYPE, decode_columns
+from llmd.spec.redact import redact_spec_text
+
+# A SWMR reader retries a metadata read whose checksum fails, in case it raced the writer, sleeping twice as long each
+# time; HDF5's default of 100 tries makes a damaged file hang for ever. 24 tries span about 20 ms: far longer than
+# a write of one metadata block takes, so a live file still reads, and a damaged one fails at once.
+SWMR_READ_ATTEMPTS = 24
+_SUPERBLOCK_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_SWMR_WRITE_FLAG = 0x04  # superblock v3 file consistency flags: a SWMR writer has (or had, if killed) the file open
+READ_ERRORS = (OSError, KeyError, ValueError, TypeError, IndexError, RuntimeError)
+
+
+class UnreadableMetrics(UserError, OSError):
+    """A metrics file that is truncated, damaged or not HDF5. An OSError too, so callers that skip files a writer
+    has not flushed yet (`except OSError`) keep working."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(
+            f"{self.path} is not a readable metrics file: {reason}; it is left as it is. If it was copied, copy it "
+            "again from where the run wrote it; else leave it out (llmd merge RUN_DIR FILE...) or re-run"
+        )
+
+
+def unreadable(path: str | os.PathLike[str], exc: BaseException) -> UnreadableMetrics:
+    """The error to raise for `exc`, met while reading `path`."""
+    return UnreadableMetrics(path, _reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
+    text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    truncated = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", text)
+    if truncated:
+        return f"it is truncated ({truncated.group(1)} of {truncated.group(2)} bytes)"
+    if "file signature not found" in text:
+        return "it is not an HDF5 file (no HDF5 signature)"
+    if "unable to lock file" in text:
+        return "another process has it open for writing (HDF5 file lock); wait until that process ends"
+    if "already open for write" in text:
+        return "a writer has it open, or was killed before closing it (`h5clear -s FILE` clears that mark)"
+    detail = re.sub(r"^Unable to synchronously \w+ \w+ \((.*)\)$", r"\1", text, flags=re.S)
+    return f"it is damaged or cut short ({detail})"
+
+
+def _swmr_writer(path: str | os.PathLike[str]) -> bool:
+    """Whether the superblock says a SWMR writer has the file open (or had, and was killed before closing it)."""
+    try:
+        with open(path, "rb") as fh:
+            offset = 0
+            while offset <= 1 << 20:  # HDF5 looks for its signature at 0, 512, 1024, 2048, ...
+                fh.seek(offset)
+                head = fh.read(12)
+                if len(head) < 12:
+                    return False
+                if head[:8] == _SUPERBLOCK_SIGNATURE:
+                    return head[8] >= 3 and bool(head[11] & _SWMR_WRITE_FLAG)
+                offset = 512 if offset == 0 else offset * 2
+    except OSError:
+        return False
+    return False
+
+
+@functools.cache
+def _read_attempts_setter() -> Any:
+    # h5py does not wrap H5Pset_metadata_read_attempts; its extension modules link the very libhdf5 it uses, so the
+    # symbol is found through one of them (a wheel's bundled copy or a conda/system one alike).
+    try:
+        fn = ctypes.CDLL(h5py.h5p.__file__).H5Pset_metadata_read_attempts
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int64, ctypes.c_uint]  # hid_t is 64-bit since HDF5 1.10
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _set_read_attempts(fapl: h5py.h5p.PropFAID, attempts: int) -> bool:
+    fn = _read_attempts_setter()
+    return fn is not None and fn(fapl.id, attempts) >= 0
+
+
+def _open_swmr(path: str | os.PathLike[str]) -> h5py.File:
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    if not _set_read_attempts(fapl, SWMR_READ_ATTEMPTS):
+        return h5py.File(path, "r", libver="latest", swmr=True)  # unbounded retries, as h5py alone gives
+    fid = h5py.h5f.open(os.fsencode(os.fspath(path)), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl)
+    return h5py.File(fid)
 
 
 @contextmanager
 def open_metrics(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
-    """Open read-only as a SWMR reader, so a live writer (or a killed one, whose SWMR flag stays set) is fine."""
+    """Open read-only. A finished file opens plainly, which checks its size against the superblock; a file a SWMR
+    writer has open (or had, if killed) opens as a SWMR reader with bounded retries, so it reads as far as the writer
+    got. Anything else that fails to open is UnreadableMetrics; a missing file stays FileNotFoundError."""
     try:
-        f = h5py.File(path, "r", libver="latest", swmr=True)
-    except OSError:
-        # Files not written in the latest format (e.g. by another tool) cannot be opened as SWMR readers.
         f = h5py.File(path, "r")
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if not _swmr_writer(path):
+            raise unreadable(path, exc) from None
+        try:
+            f = _open_swmr(path)
+        except OSError as swmr_exc:
+            raise unreadable(path, swmr_exc) from None
     try:
         yield f
     finally:
         f.close()
+
+
+@contextmanager
+def reading(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
+    """open_metrics, with any failure while reading (a damaged chunk, a mangled table) as UnreadableMetrics."""
+    try:
+        with open_metrics(path) as f:
+            yield f
+    except (UnreadableMetrics, FileNotFoundError):
+        raise
+    except READ_ERRORS as exc:
+        raise unreadable(path, exc) from None
 
 
 def _read_table(f: h5py.File, name: str, dtype: np.dtype) -> np.ndarray:
@@ -43,20 +155,20 @@ def _frame(arr: np.ndarray) -> pd.DataFrame:
 
 def read_requests_array(path: str | os.PathLike[str]) -> np.ndarray:
     """The /requests table as a raw structured array (bytes fields undecoded)."""
-    with open_metrics(path) as f:
+    with reading(path) as f:
         return _read_table(f, "requests", REQUEST_DTYPE)
 
 
 def read_requests(path: str | os.PathLike[str]) -> pd.DataFrame:
     """/requests as a DataFrame, strings decoded, one row per request (NaN / -1 / "" where unknown)."""
-    return _frame(read_requests_array(path))
+    with reading(path) as f:
+        return _frame(_read_table(f, "requests", REQUEST_DTYPE))
 
 
 def read_timeseries(path: str | os.PathLike[str], source: str | None = None) -> pd.DataFrame:
     """/timeseries as a DataFrame; `source` keeps only that producer's rows."""
-    with open_metrics(path) as f:
-        arr = _read_table(f, "timeseries", TIMESERIES_DTYPE)
-    df = _frame(arr)
+    with reading(path) as f:
+        df = _frame(_read_table(f, "timeseries", TIMESERIES_DTYPE))
     if source is not None:
         df = df[df["source"] == source].reset_index(drop=True)
     return df
@@ -77,12 +189,13 @@ def _spec(group: h5py.Group) -> str:
     if "meta/spec" not in group:
         return ""
     value = group["meta/spec"][()]
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return redact_spec_text(text)  # files written before the writer redacted must not show a token in a report
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Root attributes plus "spec" (the YAML text); merged files add "sources": {name: that input's meta}."""
-    with open_metrics(path) as f:
+    with reading(path) as f:
         meta = _attrs(f)
         meta["spec"] = _spec(f)
         if "sources" in f:

@@ -55,17 +55,20 @@ def _git_commit() -> str:
 
 
 def _spec_text(spec: Any) -> str:
+    # A metrics file is shared and archived: tokens the spec carries (engine env, --api-key) are stored as ***.
+    from llmd.spec.redact import redact_data, redact_spec_text
+
     if spec is None:
         return ""
     if isinstance(spec, str):
-        return spec
+        return redact_spec_text(spec)
     if isinstance(spec, bytes):
-        return spec.decode("utf-8", "replace")
+        return redact_spec_text(spec.decode("utf-8", "replace"))
     import yaml  # only when a spec object is given; the text form needs no YAML
 
     if hasattr(spec, "model_dump"):
         spec = spec.model_dump(mode="json")
-    return yaml.safe_dump(spec, sort_keys=False)
+    return yaml.safe_dump(redact_data(spec), sort_keys=False)
 
 
 def _attr_value(value: Any) -> Any:

@@ -14,6 +14,7 @@ import yaml
 
 from llmd.errors import UserError
 from llmd.perf.units import parse_quantity
+from llmd.spec.yaml_input import BoundedLoader, InputFileError, load_file
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -21,7 +22,7 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 FieldType = type | tuple[str, ...]
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(BoundedLoader):
     """SafeLoader that refuses a repeated key: YAML keeps only the last one, so a second entry for one GPU (or a field
     given twice) would silently win."""
 
@@ -46,12 +47,9 @@ def entry_error(path: str | os.PathLike[str], kind: str, name: str, field: str |
 def read_entries(path: str | os.PathLike[str], kind: str) -> dict[str, dict[str, Any]]:
     """The file's entries: {name: {field: raw value}}, in file order. An empty file has none."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_Loader)
-    except OSError as e:
-        raise UserError(f"cannot read {os.fspath(path)}: {e.strerror or e}; check the path") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{os.fspath(path)} is not valid YAML: {e}\nFix the file at the place named.") from None
+        data = load_file(path, f"{kind} profile file", _Loader)
+    except InputFileError as e:
+        raise UserError(f"cannot read {e.path}: {e.problem}; check the path") from None
     if data is None:
         return {}
     example = "H100-80GB: {mfu: 0.5}" if kind == "GPU" else "llama-3.1-8b: {kv_bytes_per_element: 1}"

@@ -55,8 +55,10 @@ def _spec_dict(meta: dict[str, Any]) -> dict[str, Any]:
         return {}
     import yaml
 
+    from llmd.spec.yaml_input import load
+
     try:
-        data = yaml.safe_load(text)
+        data = load(text)  # the file may come from anywhere: an alias bomb in its spec must not hang the export
     except yaml.YAMLError:
         return {}
     return data if isinstance(data, dict) else {}

@@ -56,15 +56,13 @@ class SimParams:
 
     @classmethod
     def load(cls, path: str | Path) -> SimParams:
-        import yaml
+        from llmd.spec.yaml_input import InputFileError, load_file
 
         p = Path(path)
         try:
-            data: Any = yaml.safe_load(p.read_text())
-        except OSError as e:
-            raise UserError(f"cannot read simulator parameters {p}: {e.strerror or e}") from None
-        except yaml.YAMLError as e:
-            raise UserError(f"{p} is not valid YAML: {e}") from None
+            data: Any = load_file(p, "simulator parameter file")
+        except InputFileError as e:
+            raise UserError(f"cannot read simulator parameters {p}: {e.problem}") from None
         return cls().with_values(data or {}, str(p))
 
     def with_values(self, data: Any, where: str = "simulator parameters") -> SimParams:

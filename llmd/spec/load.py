@@ -1,7 +1,7 @@
 """Load a deployment spec from YAML, report every problem in it at once in plain words, and dump the resolved spec.
 
 YAML is read with YAML 1.2-style scalars (only true/false are booleans, no base-60 numbers, no dates) and duplicate
-keys are refused, so what a user wrote is what the spec gets.
+keys are refused, so what a user wrote is what the spec gets; files and aliases are bounded (llmd.spec.yaml_input).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from pydantic_core import ErrorDetails
 
 from llmd.spec.checks import SpecError, SpecIssue, run_checks
 from llmd.spec.model import SKIP_CHECKS, DeploymentSpec
+from llmd.spec.values import printable
+from llmd.spec.yaml_input import BoundedLoader, InputFileError, YAMLLimitError, read_text, unreadable_value
+from llmd.spec.yaml_input import load as load_bounded
 
 EXAMPLE = "examples/tiny-local.yaml"
 
@@ -48,7 +51,7 @@ def _yaml12_resolvers(base: type[yaml.resolver.BaseResolver]) -> dict[str, list[
     }
 
 
-class _SpecLoader(yaml.SafeLoader):
+class _SpecLoader(BoundedLoader):
     yaml_implicit_resolvers = _yaml12_resolvers(yaml.SafeLoader)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
@@ -64,7 +67,7 @@ class _SpecLoader(yaml.SafeLoader):
 
 def load_yaml(text: str) -> Any:
     """YAML read by the spec's rules (a SafeLoader, YAML 1.2 scalars), for files that hold spec fragments (sweeps)."""
-    return yaml.load(text, Loader=_SpecLoader)
+    return load_bounded(text, _SpecLoader)
 
 
 class _SpecDumper(yaml.SafeDumper):
@@ -143,6 +146,14 @@ def _with_line(issue: SpecIssue, lines: dict[str, int]) -> SpecIssue:
 
 
 def _yaml_issue(exc: yaml.YAMLError) -> SpecIssue:
+    if isinstance(exc, YAMLLimitError):
+        return SpecIssue("", str(exc))
+    if isinstance(exc, yaml.reader.ReaderError) and isinstance(exc.character, int):
+        return SpecIssue(
+            "",
+            f"holds the character U+{exc.character:04X} at position {exc.position}, which YAML does not allow in a "
+            "file; remove it",
+        )
     if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
         return SpecIssue("", f"is not valid YAML: {exc}")
     mark = exc.problem_mark
@@ -167,16 +178,10 @@ def _yaml_issue(exc: yaml.YAMLError) -> SpecIssue:
 def _read(path: str | os.PathLike[str]) -> str:
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        raise SpecError(source, [SpecIssue("", f"no such spec file: {source}; start from {EXAMPLE}")]) from None
-    except IsADirectoryError:
-        raise SpecError(source, [SpecIssue("", "is a directory, not a spec file")]) from None
-    except PermissionError:
-        raise SpecError(source, [SpecIssue("", f"cannot read {source}: permission denied")]) from None
-    except UnicodeDecodeError as exc:
-        raise SpecError(source, [SpecIssue("", f"is not UTF-8 text (byte {exc.start}); save it as UTF-8")]) from None
+        return read_text(source, "spec file")
+    except InputFileError as exc:
+        problem = f"no such spec file: {source}; start from {EXAMPLE}" if exc.missing else exc.problem
+        raise SpecError(source, [SpecIssue("", problem)]) from None
 
 
 # ---- pydantic errors in words -------------------------------------------------------------------------------------
@@ -190,7 +195,8 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    text = json.dumps(value, ensure_ascii=False, default=str)
+    # json.dumps escapes C0 controls but not DEL, C1 or U+2028: those must not reach a terminal raw either.
+    text = printable(json.dumps(value, ensure_ascii=False, default=str))
     if len(text) <= 60:
         return text
     return text[:56] + '..."' if isinstance(value, str) else text[:57] + "..."
@@ -307,6 +313,8 @@ def issue_from_error(error: ErrorDetails) -> SpecIssue:
         noun = _KEY_NOUNS.get(parent, "key")
         message = f'unknown {noun} "{value}"{_did_you_mean(str(value), choices)}; use one of: {", ".join(choices)}'
         return SpecIssue(path, message)
+    if is_key and kind == "value_error":
+        return SpecIssue(path, f"key {_show(value)} in {parent} {ctx.get('error')}")
     if is_key:
         return SpecIssue(path, f"key {_show(value)} in {parent} is not a string; quote it")
     if kind == "invalid_key":
@@ -372,7 +380,10 @@ def parse_spec(data: Any, source: str = "<spec>") -> DeploymentSpec:
 
 def parse_spec_text(text: str, source: str = "<spec>") -> DeploymentSpec:
     """Parse a spec from YAML text; raise SpecError listing every problem, with line numbers."""
-    loader = _SpecLoader(text)
+    try:
+        loader = _SpecLoader(text)  # reads the whole text at once: an unprintable character fails here
+    except yaml.YAMLError as exc:
+        raise SpecError(source, [_yaml_issue(exc)]) from None
     try:
         root = loader.get_single_node()
         if root is None:
@@ -381,6 +392,8 @@ def parse_spec_text(text: str, source: str = "<spec>") -> DeploymentSpec:
         data = loader.construct_document(root)
     except yaml.YAMLError as exc:
         raise SpecError(source, [_yaml_issue(exc)]) from None
+    except ValueError as exc:  # an integer longer than Python converts
+        raise SpecError(source, [SpecIssue("", unreadable_value(exc))]) from None
     finally:
         loader.dispose()
     if not isinstance(data, dict):

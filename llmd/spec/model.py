@@ -13,6 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from llmd.spec import values
+
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 RouterPolicy = Literal["precise", "approximate", "round-robin", "least-loaded", "random"]
 KVTier = Literal["gpu", "cpu"]
@@ -27,7 +29,6 @@ PREFILL_PORT = 8100
 DECODE_PORT = 8200
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SLURM_MEM_RE = re.compile(r"^[0-9]+[KMGTkmgt]?$")
 _SLURM_TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 90, 04:00:00, 1-12:00)"
 _SLURM_TIME_RE = re.compile(
@@ -89,12 +90,6 @@ def _scalar_to_str(value: Any) -> Any:
     return value
 
 
-def _sbatch_option(value: str) -> str:
-    if not value.startswith("-"):
-        raise ValueError('is not an sbatch option; write it as on the sbatch command line, e.g. "--exclusive"')
-    return value
-
-
 def _scorer_name(name: str) -> str:
     # The scorers register themselves with the router's plugin registry, so a scorer added there is a valid key here
     # with no second list to keep. Imported on use: the spec module itself imports nothing else of llmd's. Raised as a
@@ -110,12 +105,25 @@ def _scorer_name(name: str) -> str:
 
 ScorerName = Annotated[str, AfterValidator(_scorer_name)]
 Weight = Annotated[float, Field(ge=0)]
-SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
+SbatchOption = Annotated[str, AfterValidator(values.sbatch_option)]
+EnvName = Annotated[str, AfterValidator(values.env_name)]
+Partition = Annotated[str, AfterValidator(values.partition)]
+Account = Annotated[str, AfterValidator(values.account)]
+Constraint = Annotated[str, AfterValidator(values.constraint)]
+ContainerImage = Annotated[str, AfterValidator(values.container_image)]
+Host = Annotated[str, AfterValidator(values.host)]
 
 
 class _Section(BaseModel):
     # strict: a quoted "16" is not an integer and "yes" is not a boolean; ints are still fine for float fields.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, value: Any) -> Any:
+        # Every string of a spec may reach a batch script, a command line, a log line or an HDF5 attribute; a newline
+        # or an escape sequence in any of them is never meant and can turn a value into a script line of its own.
+        return values.no_control_anywhere(value)
 
 
 class ModelSpec(_Section):
@@ -166,7 +174,7 @@ class PoolSpec(_Section):
     dp_size: int = Field(default=1, ge=1, description="Data parallel ranks per replica.")
     ep: bool = Field(default=False, description="Expert parallelism across the replica's DP ranks.")
     extra_args: list[str] = Field(default_factory=list, description="Passed verbatim to the engine.")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     port: int = Field(default=PREFILL_PORT, ge=1, le=65535, description="Base HTTP port; decode defaults to 8200.")
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=8192, ge=1)
@@ -215,7 +223,7 @@ class RouterSpec(_Section):
     pd_decider: PDDecider = "threshold"
     pd_threshold: int = Field(default=16, ge=0, description="Uncached prompt tokens at which to disaggregate.")
     p2p: bool = Field(default=True, description="Pull cached prefixes from peer engines instead of recomputing.")
-    host: str = "127.0.0.1"
+    host: Host = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     api_key_env: str | None = Field(default=None, description="NAME of the environment variable holding the key.")
     max_inflight_per_pod: int = Field(default=64, ge=1)
@@ -235,7 +243,7 @@ class RouterSpec(_Section):
     @field_validator("api_key_env")
     @classmethod
     def _env_name(cls, value: str | None) -> str | None:
-        if value is not None and not _ENV_NAME_RE.match(value):
+        if value is not None and not values.ENV_NAME_RE.match(value):
             raise ValueError(
                 "is not an environment variable name; give the NAME of a variable holding the key (like "
                 "LLMD_API_KEY), never the key itself"
@@ -282,7 +290,7 @@ class EngineSpec(_Section):
     gpu: str = Field(default="H100-80GB", description="GPU profile for the simulated engine and latency model.")
     time_scale: float = Field(default=1.0, ge=0)  # wall s per simulated s; 0: as fast as possible
     startup_timeout_s: float = Field(default=600.0, gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -310,16 +318,16 @@ class OutputSpec(_Section):
 class SlurmSpec(_Section):
     """sbatch options for running the deployment on a Slurm cluster."""
 
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    partition: Partition | None = None
+    account: Account | None = None
+    qos: Account | None = None
     time: str = "01:00:00"
-    constraints: list[str] = Field(default_factory=list)
+    constraints: list[Constraint] = Field(default_factory=list)
     cpus_per_task: int = Field(default=8, ge=1)
     mem: str | None = Field(default=None, description='Memory per node as sbatch --mem takes it ("64G", "0" = all).')
-    container_image: str | None = None
+    container_image: ContainerImage | None = None
     extra_sbatch: list[SbatchOption] = Field(
-        default_factory=list, description="Extra sbatch options, e.g. --exclusive."
+        default_factory=list, description="Extra sbatch options as --name or --name=value, e.g. --exclusive."
     )
     requeue: bool = False
 
@@ -401,7 +409,7 @@ class DeploymentSpec(_Section):
                 "is not a valid name; it names Slurm jobs and result folders, so use lowercase letters, digits, "
                 "'-' and '_' (at most 64, starting with a letter or digit), e.g. glm52-544gpu"
             )
-        return value
+        return values.not_a_component_break(value)  # it goes into #SBATCH --job-name
 
     @model_validator(mode="after")
     def _semantic_checks(self, info: ValidationInfo) -> DeploymentSpec:
