@@ -146,7 +146,28 @@ def _read_table(f: h5py.File, name: str, dtype: np.dtype) -> np.ndarray:
     ds = f[name]
     if f.swmr_mode:
         ds.refresh()  # pick up rows the writer flushed since the file was opened
+        rows = _intact_rows(ds, os.path.getsize(f.filename))
+        return ds[:rows] if rows else np.empty(0, dtype=ds.dtype)
     return ds[()] if ds.shape[0] else np.empty(0, dtype=ds.dtype)
+
+
+def _intact_rows(ds: h5py.Dataset, file_size: int) -> int:
+    """Rows of a live or killed writer's table that are really on disk: up to the first chunk not yet written or lying
+    (partly) past the end of the file. The table's length is extended before its chunk is written, and HDF5's file
+    driver reads past the end of a truncated copy as zeros, which decompress into rows that were never written."""
+    rows = ds.shape[0]
+    if not rows or not ds.chunks:
+        return rows
+    step = ds.chunks[0]
+    whole = set()
+    for i in range(ds.id.get_num_chunks()):
+        info = ds.id.get_chunk_info(i)
+        if info.byte_offset is not None and info.byte_offset + info.size <= file_size:
+            whole.add(info.chunk_offset[0])
+    k = 0
+    while k < rows and k in whole:
+        k += step
+    return min(rows, k)
 
 
 def _frame(arr: np.ndarray) -> pd.DataFrame:
