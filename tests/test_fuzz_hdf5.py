@@ -266,4 +266,7 @@ def test_cli_export_and_merge_answer_a_truncated_file_at_once(finished: bytes, s
         assert out.returncode == 2, out.stderr
         assert "router.h5 is not a readable metrics file: it is truncated (4000 of" in out.stderr
         assert "Traceback" not in out.stderr
+        assert out.stderr.count("router.h5") == 1, out.stderr  # named once, not "cannot read X: X is not ..."
     assert (run / "router.h5").stat().st_size == 4000  # the damaged input is left as it was
+    # ... and so is the folder: the client's metrics.h5 is not renamed to client.h5 for a merge that cannot happen.
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.h5", "router.h5"]

@@ -27,6 +27,7 @@ from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 from llmd.metrics.run_files import engine_metrics_path
+from llmd.spec.redact import redact_spec_text
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DEFAULT_MIB = 64
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plans[index]
         _log(args.role, index, f"{plan.node} ({plan.address}): replica {plan.replica}, DP ranks {plan.dp_ranks}")
         if not args.no_preflight:
-            spec_text = Path(args.spec).read_text()
+            spec_text = redact_spec_text(Path(args.spec).read_text())  # the fabric file is a result: no tokens in it
             preflight(args, comm, spec_text, plan.node)
         _finalize_mpi(comm)
     except _Stop as stop:

@@ -44,25 +44,29 @@ def run_merge(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is not a folder; give the run folder that holds the metrics files")
     target = run_dir / "metrics.h5"
     client = run_dir / "client.h5"
-    if target.exists():
-        try:
-            producer = read_meta(target).get("producer")
-        except OSError as exc:
-            raise UserError(f"cannot read {target}: {exc}") from exc
-        if producer == "merge":
-            raise UserError(f"{target} is already a merged run file; merge the per-process files into another run")
-        if client.exists():
-            raise UserError(f"{client} exists beside {target}; move one of them away first")
-        target.rename(client)  # the client's rows stay on disk as they were
-    if args.files:  # the client's metrics.h5, if named, is client.h5 now
-        files = [client if f.resolve() == target.resolve() else f for f in args.files]
+    # The files to merge, by the names they have now (the client's metrics.h5 becomes client.h5 below).
+    if args.files:
+        files = list(args.files)
     else:
         files = sorted(f for f in run_dir.glob("*.h5") if f.name != "metrics.h5")
+        if target.exists():
+            files.append(target)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise UserError(f"no such metrics file: {', '.join(missing)}")
     if not files:
         raise UserError(f"{run_dir} holds no metrics files (*.h5) to merge")
+    # Every input is read before anything in the folder changes: a damaged one leaves the run as it was.
+    # (read_meta's UnreadableMetrics is a UserError that names the file and what to do.)
+    metas = {f.resolve(): read_meta(f) for f in files}
+    if target.exists():
+        meta = metas.get(target.resolve()) or read_meta(target)
+        if meta.get("producer") == "merge":
+            raise UserError(f"{target} is already a merged run file; merge the per-process files into another run")
+        if client.exists():
+            raise UserError(f"{client} exists beside {target}; move one of them away first")
+        target.rename(client)  # the client's rows stay on disk as they were
+        files = [client if f.resolve() == target.resolve() else f for f in files]
     try:
         merge_runs(files, target)
     except (OSError, ValueError) as exc:
@@ -82,6 +86,8 @@ def run_export(args: argparse.Namespace) -> int:
     for f in files:
         try:
             report = report_for_file(f)
+        except UserError:
+            raise  # UnreadableMetrics names the file and what to do already
         except OSError as exc:
             raise UserError(f"cannot read {f}: {exc}") from exc
         except ValueError as exc:
