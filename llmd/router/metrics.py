@@ -161,6 +161,12 @@ def state_families(registry: Any, core: Any, hub: Any, index: Any) -> Iterator[A
         ("llmd_router_kv_event_replays_ok", "Replays completed.", st.replays_ok),
         ("llmd_router_kv_event_replays_failed", "Replays that timed out or failed.", st.replays_failed),
         ("llmd_router_kv_event_replayed_batches", "Batches received by replay.", st.replay_batches),
+        (
+            "llmd_router_kv_event_bad_frames",
+            "KV event frames or events that did not decode, and batches the index "
+            "could not apply (skipped; the subscription goes on).",
+            st.bad_frames,
+        ),
     ):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], value)
