@@ -201,8 +201,11 @@ class Router:
         # Events first, then the index (the core drops the pod's entries): nothing of the dead pod can come back.
         self.hub.unsubscribe_now(pod.name)
         self.core.pod_down(pod.name)
-        # Requests in flight there that have gone silent are cut: a hung engine must not hang its clients.
-        self.upstream.pod_down(pod.name)
+        # A pod that stopped answering /health may be hung: its requests in flight that have gone silent are cut, so
+        # that a hung engine does not hang its clients. One taken out for another reason (removed from discovery to
+        # drain it) keeps serving what it has.
+        if pod.failures:
+            self.upstream.pod_down(pod.name)
 
     def _pump(self) -> None:
         self._settle(self.core.pump(time.monotonic()))
