@@ -267,6 +267,7 @@ class KVEventDecoder:
         self.bad_events = 0
         self.garbage: dict[str, int] = {}
         self.replay_ends = 0
+        self.errors = 0  # garbage frames plus bad events: one number a consumer can watch for change
         self.last_error: str | None = None
 
     @property
@@ -290,6 +291,7 @@ class KVEventDecoder:
         }
 
     def _garbage(self, reason: str, text: str) -> None:
+        self.errors += 1
         self.garbage[reason] = self.garbage.get(reason, 0) + 1
         self.last_error = f"{reason}: {text}"[:_ERROR_TEXT_MAX]
 
@@ -399,6 +401,7 @@ class KVEventDecoder:
         return to_plain(ev) if self.token_ids else ev
 
     def _bad_event(self, text: str) -> None:
+        self.errors += 1
         self.bad_events += 1
         self.last_error = f"bad_event: {text}"[:_ERROR_TEXT_MAX]
 

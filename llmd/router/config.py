@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmd.engines.kinds import engine_kind
+from llmd.net.limits import MAX_JSON_DEPTH
 from llmd.router import pd as hops
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,26 @@ class RouterConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
+    max_json_depth: int = MAX_JSON_DEPTH
+    # Clients: a connection gets this long to send a complete request head (and an idle keep-alive one to send its
+    # next); a body may pause at most body_timeout_s between bytes. Beyond either the connection is closed (408).
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0
     max_inflight_per_pod: int = 64
     queue_limit: int = 4096
     max_attempts: int = 3
     connect_timeout_s: float = 5.0
-    prefill_timeout_s: float = 600.0  # a 500K-token prefill takes long; a hung prefill pod must not hang the request
+    # Engine legs (the prefill hop and the serving pod). The first byte of a leg comes after its prompt's prefill and
+    # its wait in the engine's queue; a non-streaming response comes whole, so its first byte is its last. Neither is
+    # predictable enough to bound tightly (the latency model may be missing or off, the engine's queue is its own), and
+    # a bound too tight would cut healthy long prefills and send them again elsewhere, doubling the load just when the
+    # fleet is busiest. So the first byte gets a generous fixed bound (a 500K-token prefill fits), and a hung engine is
+    # found by the health loop instead: once a pod is marked down, its legs that are silent for `down_grace_s` are cut
+    # (a request not yet streamed is retried on another pod, a streaming one ends with an error event). Once a stream
+    # has begun, tokens come every few tens of milliseconds: a silence of idle_timeout_s is a hang.
+    first_byte_timeout_s: float = 600.0
+    idle_timeout_s: float = 60.0
+    down_grace_s: float = 1.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     metrics_interval_s: float = 1.0

@@ -4,6 +4,7 @@ approximate scoring, and the thread that keeps big prompts' tokenization off the
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,8 @@ from llmd.errors import UserError
 from llmd.router.config import RouterConfig
 from llmd.router.request import Kind, Prompt, bad_request, prompt_source, text_of
 from llmd.router.scheduling import text_chunk_hashes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -114,6 +117,11 @@ class PromptReader:
                 enc = await self.encode(session, kind, source, body, size)
             except ValueError as exc:
                 raise bad_request(str(exc), getattr(exc, "param", None)) from None
+            except Exception as exc:
+                # A chat template is code run on the client's data, and can fail in any way on odd input (a
+                # TypeError adding a number to a string); vLLM answers every such failure 400, so does the router.
+                log.warning("prompt of a request could not be rendered", exc_info=True)
+                raise bad_request(f"the prompt cannot be rendered: {type(exc).__name__}: {exc}") from None
             out.block_hashes = enc.block_hashes
             out.num_tokens = enc.num_tokens
             out.fingerprint = enc.fingerprint

@@ -30,12 +30,22 @@ log = logging.getLogger(__name__)
 # in a row before the gap is accepted; the index records accepted gaps.
 MAX_REPLAYS_IN_A_ROW = 3
 MAX_BUFFERED = 100_000  # live batches held during one replay; beyond it the replay is abandoned
+BAD_FRAME_LOG_EVERY = 1000  # after the first, one warning per this many bad frames of a subscription
 
 
 class EventStats:
     """Counters a metrics collector reads; plain ints (the hot path must not pay for Prometheus calls)."""
 
-    __slots__ = ("batches", "duplicates", "gaps", "replay_batches", "replays_failed", "replays_ok", "restarts")
+    __slots__ = (
+        "bad_frames",
+        "batches",
+        "duplicates",
+        "gaps",
+        "replay_batches",
+        "replays_failed",
+        "replays_ok",
+        "restarts",
+    )
 
     def __init__(self) -> None:
         self.batches = 0
@@ -45,6 +55,7 @@ class EventStats:
         self.replays_ok = 0
         self.replays_failed = 0
         self.replay_batches = 0
+        self.bad_frames = 0  # frames or events that did not decode, and batches the index could not apply
 
 
 class RankSubscription:
@@ -80,6 +91,8 @@ class RankSubscription:
         self.last: int | None = None
         self._buffer: list[DecodedBatch] | None = None  # not None while a replay is in flight
         self._replays_in_a_row = 0
+        self._errors_seen = 0  # the decoder's error count already accounted for
+        self._bad = 0
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._replay_task: asyncio.Task[None] | None = None
@@ -129,6 +142,8 @@ class RankSubscription:
                 log.debug("KV event socket of %s/%d closed: %s", self.pod, self.rank, exc)
                 return
             d = self.decoder.decode_frames(frames)
+            if self.decoder.errors != self._errors_seen:
+                self._bad_input(self.decoder.errors - self._errors_seen, self.decoder.last_error or "")
             if d is None:
                 continue
             if self._buffer is not None:
@@ -166,8 +181,23 @@ class RankSubscription:
             log.info("KV event publisher %s/%d restarted (seq %d after %d)", self.pod, self.rank, seq, last)
             self._ingest(d)
 
+    def _bad_input(self, n: int, what: str) -> None:
+        """Bad frames are counted and logged (the first, then one in BAD_FRAME_LOG_EVERY); the stream goes on."""
+        self._errors_seen = self.decoder.errors
+        first = self._bad == 0
+        self._bad += n
+        self.stats.bad_frames += n
+        if first or self._bad % BAD_FRAME_LOG_EVERY < n:
+            log.warning("KV events of %s/%d: %d bad frame(s) so far; last: %s", self.pod, self.rank, self._bad, what)
+
     def _ingest(self, d: DecodedBatch) -> None:
-        self.index.ingest(self.pod, d.seq, d.batch, self.publisher)
+        try:
+            self.index.ingest(self.pod, d.seq, d.batch, self.publisher)
+        except Exception as exc:  # a batch that decoded but makes no sense must not end the subscription
+            # Skipped, not re-asked for: a replay would bring the same batch back.
+            self._bad_input(1, f"index could not apply batch {d.seq}: {type(exc).__name__}: {exc}")
+            self.last = d.seq
+            return
         self.last = d.seq
         self.stats.batches += 1
         if self.on_batch is not None:
@@ -204,6 +234,8 @@ class RankSubscription:
                     ok = True
                     break
                 d = self.decoder.decode_frames(frames)
+                if self.decoder.errors != self._errors_seen:
+                    self._bad_input(self.decoder.errors - self._errors_seen, self.decoder.last_error or "")
                 if d is not None:
                     got.append(d)
         except zmq.ZMQError as exc:

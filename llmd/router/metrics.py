@@ -17,12 +17,23 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)  # fmt: skip
 TOKEN_BUCKETS = (0, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576)
+# The route label's values: the router's own routes, every other path is "other". Labelling by the raw path would let
+# any client create a series per path it makes up (`route="/etc/passwd"`), without bound.
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+OTHER_ROUTE = "other"
+# A request whose client went away before it was answered; nginx's code for it (never sent to anyone).
+CLIENT_CLOSED = 499
+
+
+def route_label(path: str) -> str:
+    return path if path in ROUTES else OTHER_ROUTE
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("llmd_router_requests", "Requests answered, by route and HTTP status.",
+        self.requests = Counter("llmd_router_requests", "Requests answered, by route (the router's routes, else "
+                                "'other') and HTTP status (499: the client left before the answer).",
                                 ["route", "status"], registry=r)  # fmt: skip
         self.errors = Counter(
             "llmd_router_errors", "Failed requests, by route and kind.", ["route", "kind"], registry=r
@@ -68,6 +79,7 @@ class RouterMetrics:
 
     # Cached children: .labels() costs a few microseconds on every call.
     def request(self, route: str, status: int) -> None:
+        route = route_label(route)
         key = (route, status)
         c = self._request_children.get(key)
         if c is None:
@@ -75,6 +87,7 @@ class RouterMetrics:
         c.inc()
 
     def error(self, route: str, kind: str) -> None:
+        route = route_label(route)
         key = (route, kind)
         c = self._error_children.get(key)
         if c is None:
@@ -148,6 +161,12 @@ def state_families(registry: Any, core: Any, hub: Any, index: Any) -> Iterator[A
         ("llmd_router_kv_event_replays_ok", "Replays completed.", st.replays_ok),
         ("llmd_router_kv_event_replays_failed", "Replays that timed out or failed.", st.replays_failed),
         ("llmd_router_kv_event_replayed_batches", "Batches received by replay.", st.replay_batches),
+        (
+            "llmd_router_kv_event_bad_frames",
+            "KV event frames or events that did not decode, and batches the index "
+            "could not apply (skipped; the subscription goes on).",
+            st.bad_frames,
+        ),
     ):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], value)

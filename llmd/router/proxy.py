@@ -34,6 +34,7 @@ from aiohttp import web
 from llmd.discovery import PodInfo
 from llmd.kv.index import KVIndex
 from llmd.net import http_client
+from llmd.net.limits import BodyTimeout, ServerLimits, read_body
 from llmd.router import pd as hops
 from llmd.router.config import RouterConfig, default_settings
 from llmd.router.core import HopPlan, Job, Outcome, QueueFull, RouterCore
@@ -41,7 +42,7 @@ from llmd.router.encoder import PromptEncoder, PromptReader, RouteTokens, load_e
 from llmd.router.endpoints import EndpointRegistry
 from llmd.router.events import KVEventHub
 from llmd.router.ledger import Flight
-from llmd.router.metrics import CONTENT_TYPE, RouterMetrics, state_families
+from llmd.router.metrics import CLIENT_CLOSED, CONTENT_TYPE, RouterMetrics, state_families
 from llmd.router.pods import Pod
 from llmd.router.recorder import RouterRecorder
 from llmd.router.request import (
@@ -49,6 +50,7 @@ from llmd.router.request import (
     APIError,
     Kind,
     RequestCtx,
+    check_content_type,
     check_key,
     json_encode,
     max_tokens,
@@ -117,7 +119,14 @@ class Router:
         self.encoder = encoder
         self._needs_text = "text" in self.scheduler.inputs
         self._prompts = PromptReader(encoder, self._needs_text, self._needs_tokens, c.offload_tokenize_bytes)
-        self.upstream = Upstream(self.metrics, self.core.calibrate, c.prefill_timeout_s, c.connect_timeout_s)
+        self.upstream = Upstream(
+            self.metrics,
+            self.core.calibrate,
+            first_byte_s=c.first_byte_timeout_s,
+            idle_s=c.idle_timeout_s,
+            down_grace_s=c.down_grace_s,
+        )
+        self.limits = ServerLimits(header_timeout_s=c.header_timeout_s, body_idle_timeout_s=c.body_timeout_s)
         self.http: aiohttp.ClientSession | None = None
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
@@ -143,7 +152,13 @@ class Router:
         self.http = self.upstream.http = http_client.engine_session(c.connect_timeout_s)
         try:
             await self.registry.start(self.http)
-            self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+            self._runner = web.AppRunner(
+                self.app,
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=2.0,
+                **self.limits.runner_kwargs(),
+            )
             await self._runner.setup()
             site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
             await site.start()
@@ -186,6 +201,11 @@ class Router:
         # Events first, then the index (the core drops the pod's entries): nothing of the dead pod can come back.
         self.hub.unsubscribe_now(pod.name)
         self.core.pod_down(pod.name)
+        # A pod that stopped answering /health may be hung: its requests in flight that have gone silent are cut, so
+        # that a hung engine does not hang its clients. One taken out for another reason (removed from discovery to
+        # drain it) keeps serving what it has.
+        if pod.failures:
+            self.upstream.pod_down(pod.name)
 
     def _pump(self) -> None:
         self._settle(self.core.pump(time.monotonic()))
@@ -244,26 +264,49 @@ class Router:
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        """Every answer is counted here, once, whatever produced it; every error is an OpenAI-style JSON body."""
         route = request.path
+        status: int | None = None
+        err: APIError | None = None
+        close = False
         try:
             if self.config.api_key is not None and route != "/health":
                 check_key(request, self.config.api_key)
-            return await handler(request)
+            resp = await handler(request)
+            status = resp.status
+            return resp
         except APIError as exc:
-            self.metrics.request(route, exc.status)
-            self.metrics.error(route, exc.err_type)
-            return exc.response()
+            err = exc
+        except BodyTimeout as exc:
+            err = APIError(408, str(exc), "RequestTimeoutError")
+            close = True  # the rest of a stalled body is not worth waiting for
         except web.HTTPRequestEntityTooLarge:
             err = APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes", "RequestTooLargeError")
-            self.metrics.request(route, 413)
-            self.metrics.error(route, err.err_type)
-            return err.response()
         except web.HTTPException as exc:
             if exc.status < 400:
+                status = exc.status
                 raise
             err = APIError(exc.status, exc.reason, exc.reason.replace(" ", "") + "Error")
-            self.metrics.request(route, exc.status)
-            return err.response()
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        except Exception:
+            ctx: RequestCtx | None = request.get(_CTX_KEY)
+            if ctx is not None and ctx.first_byte:
+                status = 200  # what the client was sent before the failure; aiohttp closes the connection
+                raise
+            log.exception("request %s %s failed in the router", request.method, route)
+            err = APIError(500, "the router failed on this request", "InternalServerError")
+        finally:
+            if err is not None:
+                status = err.status
+                self.metrics.error(route, err.err_type)
+            if status is not None:
+                self.metrics.request(route, status)
+        resp = err.response()
+        if close:
+            resp.force_close()
+        return resp
 
     async def _health(self, request: web.Request) -> web.Response:
         # Healthy as long as some pod can serve a whole request: what a load balancer in front needs to know.
@@ -285,7 +328,6 @@ class Router:
                     if r.status == 200:
                         body = await r.read()
                         self._models_cache = (now, body)
-                        self.metrics.request("/v1/models", 200)
                         return web.Response(body=body, content_type="application/json")
             except (aiohttp.ClientError, TimeoutError, OSError):
                 continue
@@ -294,7 +336,6 @@ class Router:
             raise APIError(503, "no healthy engine to list models from", "ServiceUnavailableError")
         data = {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "vllm", "root": name, "parent": None}]}  # fmt: skip
-        self.metrics.request("/v1/models", 200)
         return web.Response(body=json_encode(data), content_type="application/json")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -366,17 +407,17 @@ class Router:
                 self._settle(self.core.complete(flight, time.monotonic()))
                 raise
             self._settle(self.core.complete(flight, time.monotonic()))
-            self.metrics.request(ctx.route, resp.status)
             return resp
 
     def _finish_error(self, ctx: RequestCtx, resp: web.Response) -> web.Response:
-        self.metrics.request(ctx.route, resp.status)
         self.metrics.error(ctx.route, "upstream")
         return resp
 
     async def _parse(self, request: web.Request, kind: Kind) -> RequestCtx:
-        raw = await request.read()
-        body = parse_body(raw)
+        c = self.config
+        check_content_type(request.headers.get("Content-Type"))
+        raw = await read_body(request, c.max_body_bytes, c.body_timeout_s)
+        body = parse_body(raw, c.max_json_depth)
         user = body.get("user")
         session = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
         prompt = await self._prompts.read(kind, body, session, len(raw), self.core.chars_per_token)
@@ -477,7 +518,7 @@ class Router:
         assert pre is not None
         body = hops.prefill_body(ctx.body, ctx.kind == "chat")
         headers = self._upstream_headers(ctx, pre, plan.prefill_rank)
-        res = await self.upstream.prefill(pre.info.url + ctx.route, json_encode(body), headers)
+        res = await self.upstream.prefill(pre.name, pre.info.url + ctx.route, json_encode(body), headers)
         out = self.core.prefill_done(flight, plan, res.kv_params, res.unreachable, time.monotonic())
         self.metrics.prefill_time.observe(res.seconds)
         out_headers["x-llmd-prefill-ms"] = f"{res.seconds * 1000:.1f}"

@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from llmd.metrics.schema import pd_path_of
+from llmd.net.limits import MAX_JSON_DEPTH, JSONTooDeep, check_depth
 from llmd.router.core import Job
 from llmd.router.scheduling import Decision
 
@@ -79,11 +80,22 @@ class RequestCtx:
     text_chars: int = 0  # approximate: the prompt's characters, until the engine's prompt_tokens calibrate with them
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def check_content_type(content_type: str | None) -> None:
+    """vLLM's validate_json_request: any media type but application/json is a 400 with this very message."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+
+
+def parse_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     try:
         body = _json_decode(raw)
+        check_depth(raw, body, max_depth)
     except msgspec.DecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except (RecursionError, JSONTooDeep):
+        # msgspec stops at the interpreter's recursion limit; check_depth at ours, far below it.
+        raise bad_request(f"the request body nests JSON arrays and objects deeper than {max_depth} levels") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     if not isinstance(body.get("stream", False), bool):
@@ -97,6 +109,8 @@ def prompt_source(kind: Kind, body: dict[str, Any]) -> Any:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("'messages' must be a non-empty list of message objects", "messages")
+        for i, m in enumerate(messages):
+            check_message(m, i)
         return messages
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -106,6 +120,40 @@ def prompt_source(kind: Kind, body: dict[str, Any]) -> Any:
     ):
         return prompt
     raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+
+
+def check_message(m: dict[str, Any], i: int) -> None:
+    """400 naming the field for a message no engine takes: every member of vLLM's ChatCompletionMessageParam needs a
+    string role, and content that is a string, a list of content-part objects, or null (assistant). Checked here
+    because the tokenizer and the chat template behind the router would fail on these with TypeErrors."""
+    if not isinstance(m.get("role"), str):
+        raise bad_request(f"messages[{i}].role must be a string", f"messages.{i}.role")
+    content = m.get("content")
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise bad_request(
+            f"messages[{i}].content must be a string or a list of content parts, got {_json_type(content)}",
+            f"messages.{i}.content",
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise bad_request(
+                f"messages[{i}].content[{j}] must be a content part object, got {_json_type(part)}",
+                f"messages.{i}.content.{j}",
+            )
+        if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}].content[{j}].text must be a string", f"messages.{i}.content.{j}.text")
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return "a number"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(v), type(v).__name__)
 
 
 def max_tokens(body: dict[str, Any]) -> int:
@@ -127,8 +175,8 @@ def text_of(source: Any) -> str:
     for m in source:
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"{m.get('role', '')}\n{content or ''}\n")
+            content = "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+        parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
     return "".join(parts)
 
 

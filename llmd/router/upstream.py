@@ -1,11 +1,19 @@
 """The proxy's side of the engines: sending a request to its serving pod and the response back to the client, the
-prefill hop, and the failures that leave an attempt retryable (nothing has reached the client yet)."""
+prefill hop, and the failures that leave an attempt retryable (nothing has reached the client yet).
+
+Every exchange with an engine (a leg) runs under a deadline: `first_byte_s` until the engine's first bytes, then
+`idle_s` between any two moves of the stream (a chunk in from the engine, or out to the client: a client that stops
+reading is a peer that hangs too). When the health loop marks a pod down, its legs may stay silent for `down_grace_s`
+at most: a hung (SIGSTOPped, wedged) engine holds its requests no longer than it takes to notice it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +34,58 @@ _SKIP_RESPONSE_HEADERS = frozenset(
 )
 _SSE_ERROR = b'data: {"error"'
 _PROMPT_TOKENS = b'"prompt_tokens":'
+
+
+class Leg:
+    """One exchange with one pod and its deadline. `deadline(s)` opens a phase allowed `s` seconds of silence; `moved`
+    (a chunk went by) pushes the deadline on; `cut` (the pod was marked down) shrinks the allowed silence to the grace
+    and fires at once if the leg has been silent that long already."""
+
+    __slots__ = ("_cm", "_next_arm", "idle_s", "last", "loop", "on_client", "pod", "why")
+
+    def __init__(self, pod: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.pod = pod
+        self.loop = loop
+        self.last = loop.time()
+        self.idle_s = float("inf")  # the current phase's allowed silence
+        self.why = ""  # set by cut(): why the leg ended early
+        self.on_client = False  # awaiting the client (a write), not the engine
+        self._cm: asyncio.Timeout | None = None
+        self._next_arm = 0.0
+
+    def deadline(self, seconds: float) -> asyncio.Timeout:
+        """`async with leg.deadline(s):` a phase; TimeoutError at its end if it went silent for `s`."""
+        self.idle_s = min(seconds, self.idle_s) if self.why else seconds
+        now = self.loop.time()
+        self.last = now
+        self._next_arm = 0.0
+        self._cm = asyncio.timeout_at(now + self.idle_s)
+        return self._cm
+
+    def moved(self) -> None:
+        # Rescheduling costs a timer handle: done at most 8 times per allowed silence, not per chunk.
+        now = self.loop.time()
+        self.last = now
+        if now >= self._next_arm and self._cm is not None:
+            self._cm.reschedule(now + self.idle_s)
+            self._next_arm = now + self.idle_s / 8
+
+    def cut(self, why: str, grace_s: float) -> None:
+        self.why = why
+        self.idle_s = min(self.idle_s, grace_s)
+        self._next_arm = 0.0
+        cm = self._cm
+        if cm is None or cm.expired():
+            return
+        with contextlib.suppress(RuntimeError):  # between phases: the next deadline() applies the grace
+            when = max(self.loop.time(), self.last + grace_s)
+            current = cm.when()
+            if current is None or when < current:
+                cm.reschedule(when)
+
+    def reason(self, phase: str) -> str:
+        what = f"sent nothing for {self.idle_s:g} s {phase}"
+        return f"pod {self.pod} {self.why} and {what}" if self.why else f"pod {self.pod} {what}"
 
 
 class Retry(Exception):
@@ -54,21 +114,29 @@ async def prefill_hop(
     url: str,
     body: bytes,
     headers: dict[str, str],
-    timeout: aiohttp.ClientTimeout,
+    leg: Leg,
+    first_byte_s: float,
+    idle_s: float,
     on_resend: Callable[[BaseException], None] | None = None,
 ) -> PrefillResult:
     """POST the prefill body; any failure (status, timeout, connection, a response without kv_transfer_params) is a
-    result with kv_params None, never an exception: the caller falls back to decode-only."""
+    result with kv_params None, never an exception: the caller falls back to decode-only. The prefill response is not
+    streamed: its first byte comes when the prefill is done, so `first_byte_s` bounds the prefill itself."""
     t0 = time.monotonic()
     try:
-        async with await http_client.post(
-            http, url, data=body, headers=headers, timeout=timeout, on_resend=on_resend
-        ) as r:
-            raw = await r.read()
-            status = r.status
+        async with leg.deadline(first_byte_s):
+            r = await http_client.post(http, url, data=body, headers=headers, on_resend=on_resend)
+        try:
+            async with leg.deadline(idle_s):
+                raw = await r.read()
+        finally:
+            r.release()
+        status = r.status
     except aiohttp.ClientConnectorError as exc:
         return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}", unreachable=True)
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+    except TimeoutError:
+        return PrefillResult(None, time.monotonic() - t0, leg.reason("to the prefill hop"))
+    except (aiohttp.ClientError, OSError) as exc:
         return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}")
     dt = time.monotonic() - t0
     if status != 200:
@@ -90,23 +158,49 @@ async def prefill_hop(
 
 class Upstream:
     """HTTP to the engines for one router: `http` is set while the router runs. `calibrate(chars, prompt_tokens)`
-    hears the engine's prompt_tokens for requests whose length routing estimated from characters."""
+    hears the engine's prompt_tokens for requests whose length routing estimated from characters. The legs in flight
+    are kept per pod, so that `pod_down` can cut them."""
 
     def __init__(
         self,
         metrics: RouterMetrics,
         calibrate: Callable[[int, int], None],
-        prefill_timeout_s: float,
-        connect_timeout_s: float,
+        *,
+        first_byte_s: float = 600.0,
+        idle_s: float = 60.0,
+        down_grace_s: float = 1.0,
     ) -> None:
         self.metrics = metrics
         self.calibrate = calibrate
-        self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
+        self.first_byte_s = first_byte_s
+        self.idle_s = idle_s
+        self.down_grace_s = down_grace_s
         self.http: aiohttp.ClientSession | None = None
+        self.legs: dict[str, set[Leg]] = {}
 
-    async def prefill(self, url: str, body: bytes, headers: dict[str, str]) -> PrefillResult:
+    @contextlib.contextmanager
+    def _leg(self, pod: str) -> Iterator[Leg]:
+        leg = Leg(pod, asyncio.get_running_loop())
+        legs = self.legs.setdefault(pod, set())
+        legs.add(leg)
+        try:
+            yield leg
+        finally:
+            legs.discard(leg)
+            if not legs:
+                self.legs.pop(pod, None)
+
+    def pod_down(self, pod: str) -> None:
+        """The pod was marked down: its legs may stay silent for the grace at most (a hung engine)."""
+        for leg in list(self.legs.get(pod, ())):
+            leg.cut("was marked down", self.down_grace_s)
+
+    async def prefill(self, pod: str, url: str, body: bytes, headers: dict[str, str]) -> PrefillResult:
         assert self.http is not None
-        return await prefill_hop(self.http, url, body, headers, self.prefill_timeout, on_resend=self.resent)
+        with self._leg(pod) as leg:
+            return await prefill_hop(
+                self.http, url, body, headers, leg, self.first_byte_s, self.idle_s, on_resend=self.resent
+            )
 
     async def forward(
         self,
@@ -119,27 +213,48 @@ class Upstream:
     ) -> web.StreamResponse:
         """Send the request to the serving pod and its response to the client, streaming chunk by chunk. Raises
         Retry while nothing has reached the client; after that a failure ends the stream with an error event."""
+        with self._leg(pod.name) as leg:
+            return await self._forward(request, ctx, pod, payload, headers, out_headers, leg)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        ctx: RequestCtx,
+        pod: Pod,
+        payload: bytes,
+        headers: dict[str, str],
+        out_headers: dict[str, str],
+        leg: Leg,
+    ) -> web.StreamResponse:
         assert self.http is not None
         t0 = time.monotonic()
         try:
-            up = await http_client.post(
-                self.http,
-                pod.info.url + ctx.route,
-                data=payload,
-                headers=headers,
-                on_resend=self.resent,
-            )
+            async with leg.deadline(self.first_byte_s):
+                up = await http_client.post(
+                    self.http,
+                    pod.info.url + ctx.route,
+                    data=payload,
+                    headers=headers,
+                    on_resend=self.resent,
+                )
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
             raise Retry("connect", pod.name, pod_down=True) from exc
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except TimeoutError as exc:
+            self._timed_out(ctx, leg, "before answering")
+            raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
+        except (aiohttp.ClientError, OSError) as exc:
             raise Retry("disconnect", pod.name, pod_down=isinstance(exc, aiohttp.ServerDisconnectedError)) from exc
         done = False
         try:
             status = up.status
             if status != 200 or not up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 try:
-                    data = await up.read()
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    async with leg.deadline(self.idle_s):
+                        data = await up.read()
+                except TimeoutError as exc:
+                    self._timed_out(ctx, leg, "in the middle of its response body")
+                    raise Retry("body_timeout", pod.name, pod_down=False) from exc
+                except (aiohttp.ClientError, OSError) as exc:
                     raise Retry("body", pod.name, pod_down=False) from exc
                 done = True
                 dt = time.monotonic() - t0
@@ -154,8 +269,12 @@ class Upstream:
             # Streaming: hold the client's headers until the engine's first bytes, so a pod failing before then is
             # still retried elsewhere; after that, pass every chunk on as it arrives.
             try:
-                first = await up.content.readany()
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                async with leg.deadline(self.first_byte_s):
+                    first = await up.content.readany()
+            except TimeoutError as exc:
+                self._timed_out(ctx, leg, "after its response headers")
+                raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
+            except (aiohttp.ClientError, OSError) as exc:
                 raise Retry("stream_start", pod.name, pod_down=False) from exc
             if not first:
                 raise Retry("empty_stream", pod.name, pod_down=False)
@@ -168,36 +287,54 @@ class Upstream:
             self.metrics.first_byte_time.observe(dt)
             out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
             resp = web.StreamResponse(status=200, headers=_response_headers(up, out_headers))
+            broke: str | None = None
             try:
-                await resp.prepare(request)
-                await resp.write(first)
-                if ctx.text_chars:
-                    self._calibrate(ctx, first)
                 try:
-                    while True:
-                        chunk = await up.content.readany()
-                        if not chunk:
-                            break
-                        await resp.write(chunk)
+                    async with leg.deadline(self.idle_s):
+                        leg.on_client = True
+                        await resp.prepare(request)
+                        await resp.write(first)
                         if ctx.text_chars:
-                            self._calibrate(ctx, chunk)
+                            self._calibrate(ctx, first)
+                        while True:
+                            leg.on_client = False
+                            chunk = await up.content.readany()
+                            if not chunk:
+                                break
+                            leg.on_client = True
+                            await resp.write(chunk)
+                            leg.moved()
+                            if ctx.text_chars:
+                                self._calibrate(ctx, chunk)
                 except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                    # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
+                    broke = f"engine {pod.name} failed mid-stream"
                     log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
+                    ctx.error = f"{broke}: {exc}"
                     self.metrics.error(ctx.route, "stream_broken")
-                    ctx.error = f"engine {pod.name} failed mid-stream: {exc}"
-                    err = {"error": {"message": f"engine {pod.name} failed mid-stream", "type": "InternalServerError",
-                                     "param": None, "code": 500}}  # fmt: skip
+                except TimeoutError:
+                    if leg.on_client:
+                        # The client stopped reading: nothing more can reach it. Dropping its connection (and the
+                        # engine's, below) ends the request at both ends.
+                        raise ConnectionResetError("the client stopped reading") from None
+                    broke = leg.reason("mid-stream")
+                    log.warning("request %s: %s", ctx.request_id, broke)
+                    ctx.error = broke
+                    self.metrics.error(ctx.route, "stream_timeout")
+                if broke is not None:
+                    # Bytes are out: end the stream the way vLLM ends a failed one, so the client sees why.
+                    err = {"error": {"message": broke, "type": "InternalServerError", "param": None, "code": 500}}
                     await resp.write(b"data: " + json_encode(err) + b"\n\ndata: [DONE]\n\n")
                 else:
                     done = True
                 await resp.write_eof()
             except ConnectionResetError:
                 # The client hung up (a client may close as soon as it has read `data: [DONE]`, before the chunked
-                # stream's last frame): nothing is left to send it. Unless the engine had finished, closing the
-                # upstream connection below aborts the request there and frees its KV.
+                # stream's last frame), or stopped reading: nothing is left to send it. Unless the engine had
+                # finished, closing the upstream connection below aborts the request there and frees its KV.
                 if not done:
                     ctx.error = ctx.error or "client closed the connection before the stream ended"
+                    if leg.on_client and request.transport is not None:
+                        request.transport.abort()
                 log.debug("request %s: client closed the stream", ctx.request_id)
             return resp
         finally:
@@ -207,6 +344,11 @@ class Upstream:
                 up.release()
             else:
                 up.close()
+
+    def _timed_out(self, ctx: RequestCtx, leg: Leg, phase: str) -> None:
+        why = leg.reason(phase)
+        log.warning("request %s: %s; retrying elsewhere", ctx.request_id, why)
+        self.metrics.error(ctx.route, "upstream_timeout")
 
     def resent(self, exc: BaseException) -> None:
         self.metrics.retries.labels("resent").inc()

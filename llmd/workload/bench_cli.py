@@ -12,6 +12,14 @@ The run folder may already hold the run's other producers' files (`llmd router -
 `llmd engine sim --metrics-out DIR/<run>/engines.h5`); `llmd merge DIR/<run>` then makes them one metrics.h5.
 
 Ctrl-C stops cleanly: no new requests, in-flight ones recorded as aborted, the file closed with every row so far.
+
+Exit status: 0 when the run went well; 1 when more than --max-error-rate percent (default 10) of the requests sent
+failed, or none succeeded (requests aborted by the end of the run or by Ctrl-C are not counted as sent); 2 for a
+usage error. A server that cannot be reached makes the run back off (exponential, jittered, up to 10 s between
+attempts) instead of firing failing requests as fast as it can.
+
+The API key is --api-key, else $LLMD_API_KEY, else $OPENAI_API_KEY; it is sent as a bearer token and never written
+to the results or printed.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import argparse
 import asyncio
 import datetime as _dt
 import math
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +49,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-requests", type=int, metavar="N", help="stop after N requests")
     p.add_argument("--output", metavar="DIR", help="results folder (default: the spec's output.dir)")
     p.add_argument("--run", metavar="NAME", help="run folder name under DIR (default: <spec name>-bench-<time>)")
-    p.add_argument("--api-key", help="bearer token for the server")
+    p.add_argument(
+        "--api-key",
+        help="bearer token for the server (default: $LLMD_API_KEY, else $OPENAI_API_KEY; prefer those: a flag shows "
+        "in the process list); never written to the results",
+    )
+    p.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=DEFAULT_MAX_ERROR_PCT,
+        metavar="PCT",
+        help=f"exit with status 1 when more than PCT%% of the requests sent failed, or none succeeded "
+        f"(default {DEFAULT_MAX_ERROR_PCT:g}; requests aborted at the end or by Ctrl-C do not count)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="per-request limit (600 s)")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,6 +81,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+DEFAULT_MAX_ERROR_PCT = 10.0
+API_KEY_ENV = ("LLMD_API_KEY", "OPENAI_API_KEY")
+
+
+def api_key(flag: str | None) -> str | None:
+    """The key to send: the flag's, else the first of API_KEY_ENV that is set and not empty."""
+    if flag:
+        return flag
+    for name in API_KEY_ENV:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def failed_run(summary: Any, max_error_pct: float) -> str | None:
+    """Why the run counts as failed (exit status 1), or None. Aborted requests (the run's end, Ctrl-C) are neither
+    sent nor failed."""
+    sent = summary.requests - summary.aborted
+    failed = summary.errors - summary.aborted
+    if sent <= 0 or failed <= 0:
+        return None
+    if failed == sent:
+        return f"every one of the {sent:,} requests sent failed"
+    if 100.0 * failed / sent > max_error_pct:
+        share = f"{failed / sent:.1%}, more than --max-error-rate {max_error_pct:g}%"
+        return f"{failed:,} of {sent:,} requests failed ({share})"
+    return None
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -75,6 +124,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--arrival-rate must be a positive number of sessions per second, got {rate}")
     if rate is not None and getattr(args, "trace", None):
         raise UserError("--arrival-rate and --trace exclude each other: a trace brings its own arrival times")
+    max_err = getattr(args, "max_error_rate", DEFAULT_MAX_ERROR_PCT)
+    if not (math.isfinite(max_err) and 0 <= max_err <= 100):
+        raise UserError(f"--max-error-rate must be a percentage from 0 to 100, got {max_err}")
     if args.run is not None and not _RUN_NAME.match(args.run):
         raise UserError(f"--run {args.run!r}: use letters, digits, '.', '_' and '-' only")
 
@@ -152,7 +204,7 @@ def run_bench(args: argparse.Namespace) -> int:
         output=output,
         duration_s=duration,
         max_requests=args.max_requests,
-        api_key=args.api_key,
+        api_key=api_key(args.api_key),
         progress=not args.no_progress,
         meta=meta,
         request_timeout_s=args.request_timeout,
@@ -163,6 +215,10 @@ def run_bench(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_load(cfg))
     print_summary(summary, title=f"llmd bench {run_name} ({workload.profile.name} -> {args.url})")
+    why = failed_run(summary, getattr(args, "max_error_rate", DEFAULT_MAX_ERROR_PCT))
+    if why is not None:
+        print(f"llmd bench: the run failed: {why}; see the error column of {output}", file=sys.stderr)
+        return 1
     return 0
 
 

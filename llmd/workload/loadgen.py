@@ -19,6 +19,11 @@ since a turn's prompt holds the previous response), and trace replay (`LoadConfi
 first record's time offset and sends each turn at its offset or when the previous response is back, whichever is
 later; a sub-agent forks from its parent's context as of its start, after the parent's first response).
 
+A server that cannot be reached (connection refused or dropped before an answer) makes every sender back off
+together: exponential delays with full jitter (llmd.net.backoff; 0.1 s doubling up to 10 s), reset by the next
+answer, with one warning when it starts and one when the server answers again. Without it a run whose router died
+fired failing requests as fast as sessions could start.
+
 Client-side delay: how late each turn is sent relative to its planned time (previous response + gap); the summary
 reports its mean and its share of the planned gaps, the figure benchmarks/client.py holds under 5%.
 """
@@ -29,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import signal
 import threading
@@ -43,12 +49,17 @@ import numpy as np
 
 from llmd.metrics.writer import MetricsWriter
 from llmd.net import http_client
+from llmd.net.backoff import Backoff
 from llmd.workload.chat_request import error_text, read_headers, read_stream, read_usage
 from llmd.workload.profiles import Workload
 from llmd.workload.prompts import PromptTurn, PromptWriter
 from llmd.workload.run_stats import ABORTED, LoadSummary, RunStats
 from llmd.workload.sessions import SessionPlan, Turn, plan_session
 from llmd.workload.trace import TraceSession
+
+log = logging.getLogger(__name__)
+# Failures of the connection itself, before any answer: the server is gone or unreachable, not failing a request.
+_CONNECTION_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 @dataclass
@@ -60,7 +71,7 @@ class LoadConfig:
     output: Path  # metrics.h5 to create (MetricsWriter, producer "client"); never overwritten
     duration_s: float | None = None  # stop starting new turns after this; None: the profile's, else until plans end
     max_requests: int | None = None
-    api_key: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # sent, never written or shown
     progress: bool = True
     meta: dict | None = None  # run metadata for the HDF5 file (spec YAML under "spec", seed, ...)
     request_timeout_s: float = 600.0
@@ -95,6 +106,7 @@ class _Run:
         self.children: set[asyncio.Task[None]] = set()
         self.on_row: Callable[[], None] | None = None
         self.pending: list[dict[str, Any]] = []  # request rows not yet handed to the writer (flush_timeseries)
+        self.backoff = Backoff()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -307,11 +319,15 @@ class _Run:
         }
         # The router's own rows carry the same request id and session, so client and router rows join.
         headers = {**self.headers, "X-Request-Id": row["request_id"], "X-Session-Id": turn.session_id}
+        wait = self.backoff.wait_s(self.now())
+        if wait > 0:
+            await asyncio.sleep(wait)
         t_send = self.now()
         row["send_time"] = t_send
         ok = False
         try:
             async with await http_client.post(self.http, self.endpoint, data=json.dumps(body), headers=headers) as resp:
+                self.answered()
                 read_headers(row, resp)
                 row["status"] = resp.status
                 if resp.status >= 400:
@@ -333,12 +349,33 @@ class _Run:
             raise
         except TimeoutError:
             row["error"] = f"timeout after {cfg.request_timeout_s:g} s"
+        except _CONNECTION_ERRORS as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            self.unreachable(e)
         except aiohttp.ClientError as e:
             row["error"] = f"{type(e).__name__}: {e}"
         except (ValueError, KeyError, TypeError) as e:
             row["error"] = f"bad response: {type(e).__name__}: {e}"
         self._record(row, t_send)
         return ok
+
+    def unreachable(self, exc: BaseException) -> None:
+        b = self.backoff
+        b.failed(self.now())
+        if b.failures == 1:
+            log.warning(
+                "cannot reach %s (%s: %s); backing off (up to %g s between attempts) until it answers",
+                self.endpoint,
+                type(exc).__name__,
+                exc,
+                b.cap_s,
+            )
+
+    def answered(self) -> None:
+        b = self.backoff
+        if b.failures:
+            log.warning("%s answers again after %d failed connection(s)", self.endpoint, b.failures)
+            b.succeeded()
 
     def _record(self, row: dict[str, Any], t_send: float) -> None:
         t = self.now()
@@ -393,6 +430,19 @@ def _trace_plan(ts: TraceSession, parent: PromptTurn | None) -> SessionPlan:
         else:
             turns[0] = dataclasses.replace(first, reset=True, new_tokens=first.input_tokens)
     return SessionPlan(ts.session_id, 0, 0, turns, parent_session_id=ts.parent)
+
+
+def _without_credentials(url: str) -> str:
+    """The URL as recorded: any user:password@ part dropped (the API key never reaches a file either)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _check_config(cfg: LoadConfig) -> None:
@@ -462,7 +512,7 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadSu
     meta.setdefault("seed", cfg.workload.seed)
     meta.setdefault("profile", cfg.workload.profile.name)
     meta.setdefault("salt", cfg.workload.salt)
-    meta.setdefault("url", cfg.url)
+    meta.setdefault("url", _without_credentials(cfg.url))
     meta.setdefault("model", cfg.model)
     writer = MetricsWriter(output, "client", meta, cfg.flush_interval_s)
     run: _Run | None = None

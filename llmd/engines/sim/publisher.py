@@ -6,7 +6,11 @@ binds; frames `[topic, seq (8-byte big-endian), payload]` with seq counting from
 replay socket (also offset by the rank, always bound) that answers `[b"", start_seq]` with every buffered batch from
 that seq on, then the end marker `(b"", -1 as 8 signed bytes, b"")`.
 
-What differs: vLLM publishes from a thread fed by a queue. Here `publish` runs on the engine loop and sends with
+What differs: a `*` endpoint binds `bind_host`, not every interface (vLLM's ZMQ bind of `*` listens on all of them):
+the server passes its HTTP host, so the KV sockets listen where its API does; `bind_host="*"` is vLLM's behaviour.
+The endpoint reported (`endpoint`, `replay_endpoint`) keeps the `*`: "bound; reach it at the pod's host".
+
+vLLM publishes from a thread fed by a queue. Here `publish` runs on the engine loop and sends with
 NOBLOCK (a PUB socket drops at its high-water mark rather than block), and replay is an asyncio task on the same loop,
 so the replay buffer is only ever touched by one thread and needs no lock.
 """
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -43,6 +49,20 @@ def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
     raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
 
 
+def bind_address(endpoint: str, bind_host: str) -> str:
+    """The address a `*` tcp endpoint really binds: `bind_host` (an IP, or a name resolved to one: ZMQ binds
+    interfaces and addresses, not host names); any other endpoint as given."""
+    if bind_host == "*" or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    host = bind_host
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+    host = f"[{ip}]" if ip.version == 6 else str(ip)
+    return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
+
+
 def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM binds wildcard and ipc/inproc endpoints and connects to the rest."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -61,6 +81,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         form: str = "map",
+        bind_host: str = "*",
     ) -> None:
         self.dp_rank = dp_rank
         self.topic = topic
@@ -77,7 +98,7 @@ class KVEventPublisher:
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         if is_bind_endpoint(ep):
-            self._pub.bind(ep)
+            _bind(self._pub, bind_address(ep, bind_host))
             self.endpoint = _bound(self._pub, ep)
         else:
             self._pub.connect(ep)
@@ -90,7 +111,7 @@ class KVEventPublisher:
             # An asyncio view of the same process-wide context: one set of I/O threads for every publisher.
             self._replay = zmq.asyncio.Context.shadow(zmq.Context.instance()).socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(rep)
+            _bind(self._replay, bind_address(rep, bind_host))
             self.replay_endpoint = _bound(self._replay, rep)
             self._replay_task = asyncio.get_running_loop().create_task(
                 self._serve_replay(), name=f"kv-replay-{dp_rank}"
@@ -160,6 +181,12 @@ class KVEventPublisher:
         if self._replay is not None:
             self._replay.close(linger=0)
             self._replay = None
+
+
+def _bind(sock: zmq.Socket, address: str) -> None:
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(address)
 
 
 def _bound(sock: zmq.Socket, endpoint: str) -> str:

@@ -31,6 +31,8 @@ from typing import Any
 
 from aiohttp import web
 
+from llmd.net.limits import BodyTimeout, ServerLimits, read_body
+
 from .core import EngineCore
 from .logprobs import LogprobSynth
 from .metrics import CONTENT_TYPE, EngineMetrics
@@ -135,6 +137,7 @@ class SimServer:
                         replay_endpoint=c.kv_events_replay_endpoint,
                         topic=c.kv_events_topic,
                         buffer_steps=c.kv_events_buffer_steps,
+                        bind_host=c.kv_events_host or c.host or "*",
                     )
                     self.publishers.append(publisher)
                 runner = RankRunner(
@@ -155,7 +158,10 @@ class SimServer:
             app = self._build_app()
             # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine requests
             # (vLLM's with_cancellation).
-            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+            limits = ServerLimits(header_timeout_s=c.header_timeout_s, body_idle_timeout_s=c.body_timeout_s)
+            self._runner = web.AppRunner(
+                app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, **limits.runner_kwargs()
+            )
             await self._runner.setup()
             self._site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
             await self._site.start()
@@ -210,7 +216,7 @@ class SimServer:
 
     # ---- app -------------------------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware()], client_max_size=256 << 20)
+        app = web.Application(middlewares=[self._middleware()], client_max_size=self.config.max_body_bytes)
         app.on_response_prepare.append(_response_headers)
         r = app.router
         routes: list[tuple[str, str, Callable[[web.Request], Any]]] = [
@@ -285,6 +291,11 @@ class SimServer:
                     )
 
         return middleware
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body, with the server's size and stall limits (BodyTimeout answers 408)."""
+        c = self.config
+        return await read_body(request, c.max_body_bytes, c.body_timeout_s)
 
     async def _health(self, request: web.Request) -> web.Response:
         assert self.engine is not None
@@ -362,6 +373,10 @@ async def _handle(request: web.Request, handler: Callable[[web.Request], Any]) -
         return await handler(request)
     except APIError as exc:
         return json_response(exc.body(), exc.code)
+    except BodyTimeout as exc:
+        resp = json_response(error_body(str(exc), "Request Timeout", 408), 408)
+        resp.force_close()  # the rest of a stalled body is not worth waiting for
+        return resp
     except web.HTTPException as exc:
         if exc.status >= 400:
             # Starlette's HTTPException through vLLM's handler: the phrase is both message and type.

@@ -49,6 +49,15 @@ class SimServerConfig:
     name: str | None = None  # for logs
     pull_timeout_s: float = 10.0
     gpu_memory_utilization: float = 0.92  # vLLM's --gpu-memory-utilization, as vllm:cache_config_info reports it
+    # Client limits: uvicorn's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) also bounds a fresh connection's wait
+    # for its request head; a body may pause at most body_timeout_s between bytes (uvicorn has no such bound).
+    header_timeout_s: float = 5.0
+    body_timeout_s: float = 30.0
+    max_body_bytes: int = 256 << 20
+    # Where the KV event PUB and replay sockets listen when their endpoint says `tcp://*:P` (vLLM's "bind" form):
+    # None is this server's HTTP host, so they listen where the API does (127.0.0.1 by default, the node's address
+    # under a launcher), never on every interface unless the host is 0.0.0.0 or this says "*".
+    kv_events_host: str | None = None
 
     @classmethod
     def from_spec(cls, spec: Any, role: Role = "both", **overrides: Any) -> SimServerConfig:

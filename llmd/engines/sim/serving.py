@@ -139,6 +139,10 @@ class OpenAIServing:
         except ChatTemplateError as exc:
             # vLLM surfaces template refusals as 400 with the template's own message.
             raise validation_error(str(exc)) from exc
+        except Exception as exc:
+            # So does it any other failure of the template on the request's data (safe_apply_chat_template).
+            log.warning("Chat template rejected the request: %s", exc)
+            raise validation_error(str(exc)) from exc
 
 
 class GenerationServing(OpenAIServing):
@@ -198,7 +202,7 @@ class GenerationServing(OpenAIServing):
             await asyncio.Event().wait()
         if not engine.faults.ready():
             raise service_unavailable("The server is starting up; please try again later.")
-        raw = await request.read()
+        raw = await server.read_body(request)
         req = self.parse(parse_json_body(raw, request.headers.get("Content-Type")))
         self.check_model(req.model)
         # vLLM's order: the renderer (output budget, then each prompt rendered and length-checked), the sampling

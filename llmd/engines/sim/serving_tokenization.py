@@ -11,7 +11,7 @@ from .serving import OpenAIServing, json_response
 
 class OpenAIServingTokenization(OpenAIServing):
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = parse_json_body(await request.read(), request.headers.get("Content-Type"))
+        body = parse_json_body(await self.server.read_body(request), request.headers.get("Content-Type"))
         model, prompt, messages, opts = parse_tokenize_request(body)
         self.check_model(model)
         tok = self.tokenizer
@@ -34,7 +34,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return json_response(tokenize_response(ids, self.max_model_len, strs))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = parse_json_body(await request.read(), request.headers.get("Content-Type"))
+        body = parse_json_body(await self.server.read_body(request), request.headers.get("Content-Type"))
         model, tokens = parse_detokenize_request(body)
         self.check_model(model)
         # Ids past the vocabulary decode to nothing (the tokenizer skips them), as in vLLM.

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmd.net.limits import MAX_JSON_DEPTH, JSONTooDeep, check_depth
+
 from .errors import APIError, JsonDict, request_validation_error, validation_error
 from .fields import TYPE_MSG, Fields
 from .messages import conversation, messages_field
@@ -26,6 +28,17 @@ def parse_json_body(raw: bytes, content_type: str | None) -> Any:
     if parses:
         try:
             body = json.loads(raw) if raw else None
+            check_depth(raw, body)
+            _check_unicode(raw, body)
+        except (RecursionError, JSONTooDeep, UnicodeEncodeError) as exc:
+            # Not vLLM's answers (it fails these with 500s deep inside): a body no model can take is a 400 here.
+            if isinstance(exc, UnicodeEncodeError):
+                msg = "Invalid Unicode: a string holds an unpaired surrogate"
+            else:
+                msg = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+            err = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}
+            err["ctx"] = {"error": msg}
+            raise request_validation_error([err]) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             pos = exc.pos if isinstance(exc, json.JSONDecodeError) else 0
             msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "Invalid UTF-8"
@@ -45,6 +58,15 @@ def parse_json_body(raw: bytes, content_type: str | None) -> Any:
     if body is None:
         raise request_validation_error([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     return body
+
+
+def _check_unicode(raw: bytes, body: Any) -> None:
+    """UnicodeEncodeError when a string of the body holds an unpaired UTF-16 surrogate, which json accepts (from a
+    `\\ud800` escape, or raw surrogate bytes it decodes with surrogatepass) and the tokenizer refuses with a TypeError.
+    Only bodies with such an escape or byte sequence pay for the check."""
+    if b"\\ud" not in raw and b"\\uD" not in raw and b"\xed" not in raw:
+        return
+    json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
 @dataclass(slots=True)
