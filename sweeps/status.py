@@ -16,6 +16,14 @@ def _value(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
+def one_line(reason: str) -> str:
+    """A cause on one table row: its first line and, when it quotes a log, the log's last line (the error)."""
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0]} ... {lines[-1]}"
+
+
 def summary(points: list[PointStatus]) -> str:
     c = counts(points)
     return f"{len(points)} points: " + ", ".join(f"{c[s]} {s}" for s in STATES)
@@ -29,7 +37,7 @@ def render_table(points: list[PointStatus]) -> str:
     head = ["#", *keys, "state", "job", "requests", "errors", "reason"]
     rows = [
         [str(p.index), *(_value(p.params.get(k)) for k in keys), p.state, p.job or "-", _value(p.requests),
-         _value(p.errors), p.reason]
+         _value(p.errors), one_line(p.reason)]
         for p in points
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -58,7 +66,7 @@ def follow_sweep(
         for p in points:
             if seen.get(p.index) != p.state:
                 seen[p.index] = p.state
-                said = f" ({p.reason})" if p.reason and p.state in ("failed", "running") else ""
+                said = f" ({one_line(p.reason)})" if p.reason and p.state in ("failed", "running") else ""
                 out(f"[{time.strftime('%H:%M:%S')}] point {p.index} {p.state}{said}; {summary(points)}")
         if not _active(points):
             return points
@@ -89,7 +97,7 @@ def _follow_live(read: Callable[[], list[PointStatus]], poll_s: float) -> list[P
         for p in shown:
             params = ", ".join(f"{k}={v}" for k, v in p.params.items())
             table.add_row(str(p.index), params, f"[{colour[p.state]}]{p.state}", p.job, _value(p.requests),
-                          _value(p.errors), p.reason)  # fmt: skip
+                          _value(p.errors), one_line(p.reason))  # fmt: skip
         progress.update(task, completed=counts(points)["done"], description=summary(points))
         return Group(progress, table)
 
