@@ -194,7 +194,7 @@ def test_example_sweep_dry_run(capsys, monkeypatch) -> None:
     monkeypatch.chdir(root)
     assert main(["sweep", "sweeps/examples/policies.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "6 points" in out and "#SBATCH --array=0-5\n" in out
+    assert "12 points" in out and "#SBATCH --array=0-11%4\n" in out
 
 
 def test_follow_limit_reads_every_slurm_time_format() -> None:
