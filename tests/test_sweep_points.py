@@ -168,3 +168,31 @@ def test_point_done_only_once_recorded_with_its_parameters_in_hdf5(tmp_path: Pat
     m = read_meta(folder / "metrics.h5")
     assert (m["sweep"], m["sweep_index"], m["sweep_seed"]) == ("grid", 0, 3)
     assert json.loads(m["sweep_params"]) == {"router.policy": "precise"} and m["producer"] == "client"
+
+
+def test_allocation_splits_into_the_het_jobs_groups() -> None:
+    from launchers.main_job import RunFailed, split_nodes
+
+    doc = {"name": "s", "base": BASE, "zip": {"decode.nodes": [2], "decode.replicas": [2]}}
+    spec = expand(doc, Path("s.yaml")).variants[0].spec
+    groups = split_nodes(spec, ["n1", "n2", "n3", "n4", "n5"])
+    assert groups == {"main": ["n1"], "prefill": ["n2"], "decode": ["n3", "n4"]}
+    with pytest.raises(RunFailed, match=r"has 2 nodes .* needs 4"):
+        split_nodes(spec, ["n1", "n2"])
+
+
+def test_live_progress_display_runs_until_nothing_is_active() -> None:
+    from sweeps.state import PointStatus
+    from sweeps.status import _follow_live
+
+    frames = iter(
+        [
+            [
+                PointStatus(0, {"a.b": 1}, "running", "4_0", "benchmark", 3),
+                PointStatus(1, {"a.b": 2}, "pending", "4_1"),
+            ],
+            [PointStatus(0, {"a.b": 1}, "done", "4_0", "", 9, 0), PointStatus(1, {"a.b": 2}, "failed", "4_1", "x\ny")],
+        ]
+    )
+    last = _follow_live(lambda: next(frames), 0.01)
+    assert [p.state for p in last] == ["done", "failed"]
