@@ -5,6 +5,10 @@ It watches the engine components all along (their srun exit codes land in RUN/ex
 benchmark stops (its rows so far are kept), the run is marked FAILED with the cause, and the non-zero exit ends the
 batch script, so Slurm kills every step left and nothing keeps holding nodes. Run by submitit (`MainJob`, which also
 checkpoints for requeue) or directly (`python -m launchers.main_job`, the plain sbatch template).
+
+In one homogeneous allocation (a sweep's array task; Slurm has no arrays of het jobs) `run_allocation` first does what
+the het job's batch script does: it splits the allocation's nodes into the same groups (main, prefill, decode), starts
+each engine group as an srun step on its nodes, and then runs this same main job on the first node.
 """
 
 from __future__ import annotations
@@ -14,16 +18,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from launchers.plan import ENGINE_STARTERS, plan_job
 from launchers.runstate import is_final, read_state, update_state
 from llmd.discovery import FILE_NAME, read_discovery
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.errors import UserError
 from llmd.metrics.run_files import run_inputs
-from llmd.spec import load_spec
+from llmd.spec import DeploymentSpec, load_spec
 from llmd.spec.layout import engine_endpoints
 from llmd.spec.redact import redact_text
 
@@ -284,12 +290,96 @@ class MainJob:
         return submitit.helpers.DelayedSubmission(self)
 
 
+def allocation_nodes() -> list[str]:
+    """This job's nodes in Slurm's order (the first is the batch host), from `scontrol show hostnames`."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise RunFailed("SLURM_JOB_NODELIST is not set: run_allocation runs inside a Slurm allocation")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RunFailed(f"scontrol show hostnames {nodelist} failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+def split_nodes(spec: DeploymentSpec, hosts: list[str]) -> dict[str, list[str]]:
+    """The het job's groups cut from one node list: the first node runs the main job (component 0), then the prefill
+    nodes, then the decode nodes; nodes beyond those are left idle."""
+    need = 1 + sum(pool.nodes for pool in spec.pools.values())
+    if len(hosts) < need:
+        raise RunFailed(f"the allocation has {len(hosts)} nodes ({','.join(hosts)}); the spec needs {need}")
+    groups = {"main": hosts[:1]}
+    at = 1
+    for role, pool in spec.pools.items():
+        groups[role] = hosts[at : at + pool.nodes]
+        at += pool.nodes
+    return groups
+
+
+def _start_step(cmd: list[str], rc_file: Path) -> subprocess.Popen:
+    # As the het job's `( srun ...; echo $? > exit/<role>.rc ) &`: the main job learns of a dead engine group from it.
+    proc = subprocess.Popen(cmd)
+
+    def wait() -> None:
+        rc_file.write_text(f"{proc.wait()}\n")
+
+    threading.Thread(target=wait, name=f"step-{rc_file.stem}", daemon=True).start()
+    return proc
+
+
+def run_allocation(spec_path: Path, run_dir: Path, starter: str = "basic", hosts: list[str] | None = None) -> int:
+    """The main job in a homogeneous allocation: engine groups as srun steps on their share of the nodes, then
+    `run_main` here on the first node. `spec_path` is the run folder's spec.yaml, as for a het job."""
+    if starter not in ENGINE_STARTERS:
+        raise ValueError(f"unknown engine starter {starter!r}")
+    spec = load_spec(spec_path)
+    plan = plan_job(spec, run_dir, Path.cwd(), gpus=False, starter=starter)
+    try:
+        groups = split_nodes(spec, hosts if hosts is not None else allocation_nodes())
+    except RunFailed as exc:
+        update_state(run_dir, state="FAILED", phase="failed", cause=str(exc))
+        raise
+    for sub in ("logs", "exit", "parts"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    # A rerun starts from fresh engines: forget the last attempt's endpoints and exits.
+    (run_dir / FILE_NAME).unlink(missing_ok=True)
+    for rc in (run_dir / "exit").glob("*.rc"):
+        rc.unlink()
+    for role, nodes in groups.items():
+        (run_dir / f"nodes-{role}.txt").write_text("\n".join(nodes) + "\n")
+    steps = []
+    for comp in plan.engines:
+        cmd = plan.srun_prefix(comp, f"{comp.role}-%t.log", nodelist=groups[comp.role]) + plan.engine_command(comp)
+        steps.append(_start_step(cmd, run_dir / "exit" / f"{comp.role}.rc"))
+    try:
+        return run_main(spec_path, run_dir)
+    finally:
+        # The engines have no one to serve; in a het job the batch script's exit ends them, here the steps are
+        # ended before the caller goes on (a sweep task records the point's result after this).
+        for proc in steps:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in steps:
+            try:
+                proc.wait(timeout=3)  # srun waits KillWait for its tasks; the job's end kills what is left
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launchers.main_job", description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", type=Path, required=True)
     ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument(
+        "--allocation",
+        action="store_true",
+        help="in one homogeneous allocation (sbatch --nodes=N): split its nodes into the groups and start the "
+        "engines first",
+    )
+    ap.add_argument("--starter", choices=ENGINE_STARTERS, default="basic", help="with --allocation: engine tasks")
     args = ap.parse_args(argv)
     try:
+        if args.allocation:
+            return run_allocation(args.spec, args.run_dir, args.starter)
         return run_main(args.spec, args.run_dir)
     except RunFailed:
         return 1

@@ -122,10 +122,18 @@ class JobPlan:
             return [self.python, "-u", "-m", "llmd.fabric", "--spec", spec, "--run-dir", run, "--role", comp.role]
         return [self.python, "-u", "-m", "launchers.engine_task", "--spec", spec, "--run-dir", run, "--role", comp.role]
 
-    def srun_prefix(self, comp: Component, log_name: str) -> list[str]:
+    def srun_prefix(self, comp: Component, log_name: str, nodelist: list[str] | None = None) -> list[str]:
+        """`nodelist`: the component's nodes in one homogeneous allocation (a sweep's array task) instead of its het
+        group."""
+        # A step in a homogeneous allocation would inherit the whole job's task count: name the step's own.
+        where = (
+            [f"--nodelist={','.join(nodelist)}", f"--ntasks={comp.nodes}"]
+            if nodelist is not None
+            else [f"--het-group={comp.index}"]
+        )
         args = [
             "srun",
-            f"--het-group={comp.index}",
+            *where,
             f"--nodes={comp.nodes}",
             "--ntasks-per-node=1",
             # One task dying ends the whole step; the main job then sees the step's exit and tears the job down.

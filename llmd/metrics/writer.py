@@ -103,6 +103,14 @@ def run_attrs(producer: str, meta: dict[str, Any], start_time: float) -> dict[st
     return attrs
 
 
+def add_run_attrs(path: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+    """Add `meta` to a closed metrics file's root attributes, as the writer stores its own: for what the run's
+    producers did not know when they wrote it (a sweep point's parameters, known to the job that ran the point)."""
+    with h5py.File(path, "a") as f:
+        for key, value in meta.items():
+            f.attrs[key] = _attr_value(value)
+
+
 def _owned(given: Any, arr: np.ndarray) -> np.ndarray:
     # The buffer outlives the call: a caller reusing its array must not change rows already appended.
     return arr.copy() if arr is given else arr

@@ -179,7 +179,7 @@ def test_sweep_grid_expands_in_order_and_validates(tmp_path: Path) -> None:
         ({**doc, "grid": {}}, "grid must map"),
         ({**doc, "grid": {"router.policy": []}}, "non-empty list"),
         ({**doc, "name": "Bad"}, "name must be"),
-        ({**doc, "grid": {"router.policy": ["precise", "bogus"]}}, r"variant 1 \(router.policy=bogus\)"),
+        ({**doc, "grid": {"router.policy": ["precise", "bogus"]}}, r"point 1 \(router.policy=bogus\)"),
         ({**doc, "grid": {"router.polcy": ["precise"]}}, "polcy"),
         ({**doc, "base": "missing.yaml"}, "no such file"),
     ]
@@ -194,7 +194,7 @@ def test_example_sweep_dry_run(capsys, monkeypatch) -> None:
     monkeypatch.chdir(root)
     assert main(["sweep", "sweeps/examples/policies.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "6 variants" in out and "#SBATCH --array=0-5%6" in out
+    assert "12 points" in out and "#SBATCH --array=0-11%4\n" in out
 
 
 def test_follow_limit_reads_every_slurm_time_format() -> None:

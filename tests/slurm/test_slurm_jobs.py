@@ -1,6 +1,6 @@
 """Real jobs on the local Slurm cluster (slurm/local-cluster.sh: slurmctld, 4 slurmd, slurmdbd): a spec as one het
 job with simulated engines, end to end into HDF5; a dying engine tearing the whole job down with its cause; cancel;
-a sweep as a job array; the plain sbatch template; requeue keeping the rows of the first attempt."""
+the plain sbatch template; requeue keeping the rows of the first attempt."""
 
 from __future__ import annotations
 
@@ -126,19 +126,6 @@ def test_cancel_ends_the_job(tmp_path: Path, tiny_tokenizer: Path, jobs: list[st
     assert "state:    CANCELLED" in status.stdout and "llmd cancel" in status.stdout, status.stdout
     again = llmd("cancel", str(run), cwd=tmp_path)
     assert again.returncode == 0 and "already ended" in again.stdout
-
-
-def test_sweep_runs_every_array_task(tmp_path: Path, tiny_tokenizer: Path) -> None:
-    base = write_spec(tmp_path, tiny_tokenizer, "base", workload={"duration_s": 3})
-    sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(f"name: grid\nbase: {base.name}\ngrid:\n  router.policy: [precise, round-robin]\n")
-    res = llmd("sweep", str(sweep), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    array_id = (tmp_path / "results" / "grid" / "array_job_id").read_text().strip()
-    states = _sacct(array_id)
-    assert sorted(states) == [f"{array_id}_0", f"{array_id}_1"] and set(states.values()) == {"COMPLETED"}
-    for i in (0, 1):
-        assert len(read_requests(tmp_path / "results" / "grid" / str(i) / "metrics.h5")) > 0
 
 
 def test_plain_sbatch_template_submits_and_runs(tmp_path: Path, tiny_tokenizer: Path) -> None:
