@@ -53,10 +53,12 @@ def new_run_dir(spec: DeploymentSpec, stamp: str | None = None) -> Path:
 def create_run_dir(run: Path, spec: DeploymentSpec) -> Path:
     for sub in ("logs", "exit", "parts"):
         (run / sub).mkdir(parents=True, exist_ok=True)
-    spec_path = run / "spec.yaml"
-    text = dump_spec(spec)
-    # The job reads its engines' env from this copy, so a token stays in it; the file is then the owner's alone
-    # (created so, not chmod-ed after: no moment when others could read it).
+    return write_spec_copy(run / "spec.yaml", dump_spec(spec))
+
+
+def write_spec_copy(spec_path: Path, text: str) -> Path:
+    """The run's own copy of its spec. The job reads its engines' env from it, so a token stays in it; the file is
+    then the owner's alone (created so, not chmod-ed after: no moment when others could read it)."""
     private = redact_spec_text(text) != text
     fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
     if private:

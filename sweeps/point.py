@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launchers.prepare import write_spec_copy
 from launchers.runstate import update_state
 from sweeps.state import RETRIED, point_dir
 
@@ -38,7 +39,7 @@ def prepare(root: Path, index: int, spec_text: str, meta: dict[str, Any], **stat
     folder = point_dir(root, index)
     for sub in ("logs", "exit", "parts"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
-    (folder / "spec.yaml").write_text(spec_text)
+    write_spec_copy(folder / "spec.yaml", spec_text)  # owner-only when it holds a token
     (folder / "run.json").unlink(missing_ok=True)
     update_state(
         folder, run_dir=str(folder), name=meta["sweep"], spec=str(folder / "spec.yaml"), created_at=time.time(),

@@ -107,3 +107,14 @@ def test_render_sbatch_keeps_secrets_out_of_the_script_and_run_json(tmp_path: Pa
     copy = run / "spec.yaml"
     assert TOKEN in copy.read_text()  # the job's engines need it
     assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+
+
+def test_a_sweep_points_spec_copy_holding_a_token_is_the_owners_alone(tmp_path: Path) -> None:
+    from sweeps.point import prepare
+
+    meta = {"sweep": "grid", "index": 0, "params": {}}
+    folder = prepare(tmp_path, 0, f"name: grid-0\nengine:\n  env:\n    HF_TOKEN: {TOKEN}\n", meta, state="PENDING")
+    assert stat.S_IMODE((folder / "spec.yaml").stat().st_mode) == 0o600
+    plain = prepare(tmp_path, 1, "name: grid-1\n", {**meta, "index": 1}, state="PENDING")
+    assert stat.S_IMODE((plain / "spec.yaml").stat().st_mode) != 0o600  # nothing secret: the umask's mode
+    assert not _holds_secret((folder / "run.json").read_text())
