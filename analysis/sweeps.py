@@ -2,8 +2,8 @@
 
 Points are the sub-folders that hold a run (`llmd sweep` writes <sweep>/<index>/metrics.h5; `llmd demo --compare`
 writes <run>/<policy>/metrics.h5). The parameters are the grid's keys when the sweep left a sweep.json naming them,
-else the spec keys whose values differ between the points' stored specs, so a Slurm array sweep (no sweep.json) or a
-compare run is keyed as well. Nothing is read until asked for, and then one point at a time.
+else the spec keys whose values differ between the points' stored specs, so a folder without one (a compare run, runs
+gathered by hand) is keyed as well. Nothing is read until asked for, and then one point at a time.
 """
 
 from __future__ import annotations
