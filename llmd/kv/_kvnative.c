@@ -952,6 +952,25 @@ static inline uint64_t be(const uint8_t *p, int n) {
     return v;
 }
 
+/* Bytes taken by a fixed-size msgpack value, by its first byte (tag included); 0 for containers, strings, bins, exts
+ * of variable size and the never-used 0xc1. */
+static uint8_t SCALAR_SIZE[256];
+
+static void init_scalar_size(void) {
+    for (int t = 0; t < 0x80; t++) SCALAR_SIZE[t] = 1;
+    for (int t = 0xe0; t < 0x100; t++) SCALAR_SIZE[t] = 1;
+    SCALAR_SIZE[0xc0] = SCALAR_SIZE[0xc2] = SCALAR_SIZE[0xc3] = 1;
+    SCALAR_SIZE[0xcc] = SCALAR_SIZE[0xd0] = 2;
+    SCALAR_SIZE[0xcd] = SCALAR_SIZE[0xd1] = 3;
+    SCALAR_SIZE[0xce] = SCALAR_SIZE[0xd2] = SCALAR_SIZE[0xca] = 5;
+    SCALAR_SIZE[0xcf] = SCALAR_SIZE[0xd3] = SCALAR_SIZE[0xcb] = 9;
+    SCALAR_SIZE[0xd4] = 3;
+    SCALAR_SIZE[0xd5] = 4;
+    SCALAR_SIZE[0xd6] = 6;
+    SCALAR_SIZE[0xd7] = 10;
+    SCALAR_SIZE[0xd8] = 18;
+}
+
 /* Skip one msgpack value; 0 if malformed or too deep. */
 static int skip(Rd *r, int depth) {
     if (depth > 64 || !need(r, 1)) return 0;
@@ -996,21 +1015,14 @@ bytes:
     return 1;
 items:
     if (n > (uint64_t)(r->end - r->p)) return 0; /* every item takes a byte at least */
-    /* runs of fixints (token ids) skip without recursion */
+    /* runs of scalars (token ids) skip by table, without recursion */
     while (n) {
-        if (!need(r, 1)) return 0;
-        uint8_t u = *r->p;
-        if (u <= 0x7f || u >= 0xe0) {
-            r->p++;
-        } else if (u == 0xcc || u == 0xd0) {
-            if (!need(r, 2)) return 0;
-            r->p += 2;
-        } else if (u == 0xcd || u == 0xd1) {
-            if (!need(r, 3)) return 0;
-            r->p += 3;
-        } else if (u == 0xce || u == 0xd2) {
-            if (!need(r, 5)) return 0;
-            r->p += 5;
+        const uint8_t *p = r->p;
+        if (p >= r->end) return 0;
+        uint8_t sz = SCALAR_SIZE[*p];
+        if (sz) {
+            if (r->end - p < sz) return 0;
+            r->p = p + sz;
         } else if (!skip(r, depth + 1)) {
             return 0;
         }
@@ -1087,10 +1099,11 @@ enum { F_HASHES, F_PARENT, F_ANY, F_INT, F_INT_NIL, F_MEDIUM, F_STR_NIL, F_EXTRA
 typedef struct {
     const char *name;
     int type;
+    uint32_t len; /* filled in at import */
 } Field;
 
 /* Field order as in llmd.kv.events (and vLLM): the array form is positional. */
-static const Field STORED_FIELDS[] = {
+static Field STORED_FIELDS[] = {
     {"block_hashes", F_HASHES}, {"parent_block_hash", F_PARENT}, {"token_ids", F_ANY},
     {"block_size", F_INT}, {"lora_id", F_INT_NIL}, {"medium", F_MEDIUM},
     {"lora_name", F_STR_NIL}, {"extra_keys", F_EXTRA}, {"group_idx", F_INT_NIL},
@@ -1100,7 +1113,7 @@ static const Field STORED_FIELDS[] = {
 #define STORED_NF 14
 #define STORED_REQ_MAP 7
 #define STORED_REQ_ARR 4
-static const Field REMOVED_FIELDS[] = {
+static Field REMOVED_FIELDS[] = {
     {"block_hashes", F_HASHES}, {"medium", F_MEDIUM}, {"group_idx", F_INT_NIL}, {"locality", F_STR_NIL},
     {"ownership", F_STR_NIL},
 };
@@ -1189,12 +1202,16 @@ static int scan_event(Rd *r, const uint8_t *base, Out *o) {
     if (out_put(o, 0) < 0 || out_put(o, 0) < 0) return 0;
     EvState st = {-1, 0, 1};
     uint32_t seen = 0;
+    int next_f = 0;
     if (map) {
         for (uint64_t i = 1; i < n; i++) {
             if (!rd_str(r, &s, &len)) return 0;
-            int f;
-            for (f = 0; f < nf; f++)
-                if (strlen(fields[f].name) == len && !memcmp(fields[f].name, s, len)) break;
+            /* publishers write fields in declaration order: try the one after the last first */
+            int f = next_f;
+            if (!(f < nf && fields[f].len == len && !memcmp(fields[f].name, s, len)))
+                for (f = 0; f < nf; f++)
+                    if (fields[f].len == len && !memcmp(fields[f].name, s, len)) break;
+            next_f = f + 1;
             if (f == nf) {
                 if (len == 4 && !memcmp(s, "type", 4)) return 0;
                 if (!skip(r, 0)) return 0;
@@ -1325,6 +1342,9 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kvnative", NULL,
 
 PyMODINIT_FUNC PyInit__kvnative(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
+    init_scalar_size();
+    for (int f = 0; f < STORED_NF; f++) STORED_FIELDS[f].len = (uint32_t)strlen(STORED_FIELDS[f].name);
+    for (int f = 0; f < REMOVED_NF; f++) REMOVED_FIELDS[f].len = (uint32_t)strlen(REMOVED_FIELDS[f].name);
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&CoreType);

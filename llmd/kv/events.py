@@ -265,9 +265,11 @@ class KVEventDecoder:
         # declines (None) anything else, which the typed path below then decodes and judges.
         self._scan = None
         if not token_ids:
-            from llmd.kv.compact import scan
+            global _CompactEvents
+            from llmd.kv.compact import CompactEvents, scan
 
             self._scan = scan
+            _CompactEvents = CompactEvents
         self.batches = 0
         self.kind_counts = [0, 0, 0]
         self.unknown_tags: dict[str, int] = {}
@@ -352,15 +354,13 @@ class KVEventDecoder:
         return None
 
     def _compact(self, payload: BytesLike, got: tuple) -> EventBatch:
-        from llmd.kv.compact import CompactEvents
-
         ts, rank, records, stored, removed, cleared = got
         counts = self.kind_counts
         counts[STORED] += stored
         counts[REMOVED] += removed
         counts[CLEARED] += cleared
         self.batches += 1
-        return EventBatch(ts, CompactEvents(payload, records, stored + removed + cleared), rank)  # type: ignore[arg-type]
+        return EventBatch(ts, _CompactEvents(payload, records, stored + removed + cleared), rank)  # type: ignore[arg-type]
 
     def _decode_slow(self, payload: BytesLike) -> EventBatch | None:
         try:
@@ -425,6 +425,7 @@ class KVEventDecoder:
         self.last_error = f"bad_event: {text}"[:_ERROR_TEXT_MAX]
 
 
+_CompactEvents: Any = None  # llmd.kv.compact.CompactEvents, imported by the first decoder (it imports this module)
 _DEFAULT_DECODER = KVEventDecoder()
 
 
