@@ -350,19 +350,40 @@ static int remove_one(Core *c, uint64_t k, uint32_t bit) {
     return 1;
 }
 
-/* The cap: beyond max_entries, drop the least recently stored entries (every holder, both tiers), evict_batch more. */
+/* The cap: beyond max_entries, drop the least recently stored entries (every holder, both tiers), evict_batch more.
+ * Victims go in chunks, each in stages that first touch (prefetch) what the next stage reads, so the cache misses of
+ * a chunk's victims overlap instead of following one another. */
+#define EVICT_CHUNK 64
+
 static void evict(Core *c) {
     if ((long long)c->count <= c->max_entries) return;
     long long k = (long long)c->count - c->max_entries + c->evict_batch;
     if (k > (long long)c->count) k = c->count;
-    for (long long i = 0; i < k; i++) {
+    uint32_t vic[EVICT_CHUNK];
+    uint32_t m = c->tsize - 1;
+    for (long long done = 0; done < k;) {
+        int nv = k - done < EVICT_CHUNK ? (int)(k - done) : EVICT_CHUNK;
         uint32_t e = c->nxt[0];
-        if (i + 4 < k) {
-            uint32_t f = c->nxt[c->nxt[e]];
-            __builtin_prefetch(&c->key[f]);
+        for (int j = 0; j < nv; j++) {
+            vic[j] = e;
+            __builtin_prefetch(&c->key[e]);
+            e = c->nxt[e];
         }
-        c->mref[c->msk[e]]--;
-        entry_free(c, e);
+        for (int j = 0; j < nv; j++) __builtin_prefetch(&c->slots[(uint32_t)mix64(c->key[vic[j]]) & m]);
+        for (int j = 0; j < nv; j++) { /* the entries a deletion may shift back: their keys are read */
+            uint32_t pos = (uint32_t)mix64(c->key[vic[j]]) & m;
+            while ((c->slots[pos] & IDX_MASK) != vic[j]) pos = (pos + 1) & m;
+            for (int t = 1; t <= 16; t++) { /* up to the run's end: ~3.6 entries at the table's 0.65 load */
+                uint32_t s = c->slots[(pos + t) & m];
+                if (!s) break;
+                __builtin_prefetch(&c->key[s & IDX_MASK]);
+            }
+        }
+        for (int j = 0; j < nv; j++) {
+            c->mref[c->msk[vic[j]]]--;
+            entry_free(c, vic[j]);
+        }
+        done += nv;
     }
     c->evictions += k;
 }
