@@ -165,7 +165,9 @@ def bench_events(
     bytes_per_event = 0.0
     lat: list[int] = []
     qtimes: list[float] = []
-    victims = [o[::-1].tolist() for o in olders]  # popped from the end: oldest first
+    # popped from the end: oldest first; only as many as the passes take, so the harness doesn't hold 10M ints
+    need = (n_batches // PODS + 1) * EVENTS_PER_BATCH * len(HASHES_PER_EVENT) * (repeats // 3 + 2)
+    victims = [o[:need][::-1].tolist() for o in olders]
     for r in range(repeats + 4):
         # fresh hashes for every pass, so each stores new blocks as a live engine does
         mode = (
