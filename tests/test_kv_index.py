@@ -1,15 +1,30 @@
-"""The KV index: tiers, consecutive prefixes, holders, sequence gaps, LRU cap, and a brute-force reference model."""
+"""The KV index: tiers, consecutive prefixes, holders, sequence gaps, LRU cap, and a brute-force reference model.
+
+Every test runs on both implementations: the C core (NativeKVIndex, what KVIndex is where it is built) and the
+pure-Python fallback (PyKVIndex)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmd.kv import index as kv_index
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from llmd.kv.index import KVIndex, PrefixMatch
+from llmd.kv.index import KVIndex, NativeKVIndex, PrefixMatch, PyKVIndex
+
+IMPLS = [pytest.param(PyKVIndex, id="python")]
+if kv_index.Core is not None:
+    IMPLS.append(pytest.param(NativeKVIndex, id="native"))
+
+
+@pytest.fixture(params=IMPLS, autouse=True)
+def impl(request, monkeypatch):
+    monkeypatch.setitem(globals(), "KVIndex", request.param)
+    return request.param
+
 
 A0, A1, B0 = ("a", 0), ("a", 1), ("b", 0)
 
@@ -287,7 +302,7 @@ def tier(medium) -> str:
     return "GPU" if medium in (None, "GPU") else "CPU"
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(op_st, max_size=30), st.sampled_from([3, 6, 1000]))
 def test_matches_brute_force_model(ops, cap) -> None:
     ix = KVIndex(max_entries=cap)
@@ -323,11 +338,16 @@ def test_matches_brute_force_model(ops, cap) -> None:
             assert {k: set(v) for k, v in ix.holders_of(h).items()} == expect
     for q in ([], *(list(range(i, 13)) for i in range(13)), [3, 1, 2, 3, 1]):
         assert by_holder(ix, q) == model.query(q)
-    # the index's own bookkeeping: runs and tails only for live blocks
-    live = sum(len(s.hashes) - s.dead for s in ix._segs.values())
-    assert live == len(ix)
-    for h, seg in ix._tails.items():
-        assert seg.hashes[-1] == h and ix._segs[seg.sid] is seg
+    # the index's own bookkeeping, and its recency order
+    if isinstance(ix, PyKVIndex):  # runs and tails only for live blocks
+        live = sum(len(s.hashes) - s.dead for s in ix._segs.values())
+        assert live == len(ix)
+        for h, seg in ix._tails.items():
+            assert seg.hashes[-1] == h and ix._segs[seg.sid] is seg
+        assert list(ix._where) == list(model.recency)
+    else:  # table, recency list and mask references agree
+        ix._core.check()
+        assert ix._core.keys() == list(model.recency)
 
 
 def test_many_holders() -> None:

@@ -261,6 +261,15 @@ class KVEventDecoder:
             self._arr = msgspec.msgpack.Decoder(_ArrLazyBatch)
         self._fast = self._map
         self._other = self._arr
+        # The C fast path (llmd/kv/compact.py): plain batches straight into records the index core applies; it
+        # declines (None) anything else, which the typed path below then decodes and judges.
+        self._scan = None
+        if not token_ids:
+            global _CompactEvents
+            from llmd.kv.compact import CompactEvents, scan
+
+            self._scan = scan
+            _CompactEvents = CompactEvents
         self.batches = 0
         self.kind_counts = [0, 0, 0]
         self.unknown_tags: dict[str, int] = {}
@@ -318,6 +327,10 @@ class KVEventDecoder:
             return None
 
     def decode_payload(self, payload: BytesLike) -> EventBatch | None:
+        if self._scan is not None:
+            got = self._scan(payload)
+            if got is not None:
+                return self._compact(payload, got)
         try:
             try:
                 b = self._fast.decode(payload)
@@ -341,6 +354,15 @@ class KVEventDecoder:
         except Exception as exc:
             self._garbage("payload", f"{type(exc).__name__}: {exc}")
         return None
+
+    def _compact(self, payload: BytesLike, got: tuple) -> EventBatch:
+        ts, rank, records, stored, removed, cleared = got
+        counts = self.kind_counts
+        counts[STORED] += stored
+        counts[REMOVED] += removed
+        counts[CLEARED] += cleared
+        self.batches += 1
+        return EventBatch(ts, _CompactEvents(payload, records, stored + removed + cleared), rank)  # type: ignore[arg-type]
 
     def _decode_slow(self, payload: BytesLike) -> EventBatch | None:
         try:
@@ -406,6 +428,7 @@ class KVEventDecoder:
         self.last_error = f"bad_event: {text}"[:_ERROR_TEXT_MAX]
 
 
+_CompactEvents: Any = None  # llmd.kv.compact.CompactEvents, imported by the first decoder (it imports this module)
 _DEFAULT_DECODER = KVEventDecoder()
 
 

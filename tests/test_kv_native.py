@@ -1,0 +1,109 @@
+"""The C index core against the pure-Python index, operation by operation (ordered answers, recency order, counters),
+and the C event fast path against the msgspec decoder (same events, same index afterwards)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmd.kv import index as kv_index
+from llmd.kv.compact import CompactEvents
+from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventDecoder, encode_batch
+from llmd.kv.index import NativeKVIndex, PyKVIndex
+
+pytestmark = pytest.mark.skipif(kv_index.Core is None, reason="llmd.kv._kvnative is not built")
+
+HOLDERS = [(f"pod-{p}", r) for p in range(40) for r in range(2)]  # 80 holders: masks wider than a machine word
+hash_st = st.integers(0, 40) | st.integers(2**63, 2**64 - 1)
+medium_st = st.sampled_from([None, "GPU", "gpu", "CPU", "STORAGE"])
+event_st = st.one_of(
+    st.builds(
+        lambda hs, parent, medium: BlockStored(hs, parent, [1, 2], 16, None, medium, None),
+        st.lists(hash_st, min_size=0, max_size=6),
+        st.none() | hash_st,
+        medium_st,
+    ),
+    st.builds(lambda hs, medium: BlockRemoved(hs, medium), st.lists(hash_st, max_size=4), medium_st),
+    st.just(AllBlocksCleared()),
+)
+op_st = st.one_of(
+    st.tuples(st.just("apply"), st.sampled_from(HOLDERS), st.lists(event_st, max_size=5)),
+    st.tuples(st.just("drop"), st.sampled_from([h[0] for h in HOLDERS[:10]])),
+    st.tuples(st.just("query"), st.lists(hash_st, max_size=10)),
+)
+
+
+def same(a: PyKVIndex, b: NativeKVIndex, probe: list[int]) -> None:
+    assert len(a) == len(b) and list(a._where) == b._core.keys()
+    assert a.holders() == b.holders()
+    for h in probe:
+        assert a.holders_of(h) == b.holders_of(h)
+    sa, sb = a.stats(), b.stats()
+    assert sa == sb
+    b._core.check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op_st, max_size=40), st.sampled_from([4, 16, 1000]), st.sampled_from([0, 3]), st.booleans())
+def test_native_matches_python(ops, cap, batch, wire) -> None:
+    a, b = PyKVIndex(max_entries=cap, evict_batch=batch), NativeKVIndex(max_entries=cap, evict_batch=batch)
+    dec = KVEventDecoder()
+    seen: list[int] = []
+    for op in ops:
+        if op[0] == "apply":
+            _, (pod, rank), evs = op
+            seen += [h for e in evs for h in getattr(e, "block_hashes", ())]
+            a.apply(pod, EventBatch(0.0, evs, rank))
+            if wire:  # the C fast path: payload -> records -> core
+                got = dec.decode_payload(encode_batch(evs, 1.0, rank))
+                assert got is not None and type(got.events) is CompactEvents
+                b.apply(pod, got)
+            else:
+                b.apply(pod, EventBatch(0.0, evs, rank))
+        elif op[0] == "drop":
+            assert a.drop_pod(op[1]) == b.drop_pod(op[1])
+        else:
+            assert a.query(op[1]) == b.query(op[1])
+    same(a, b, seen[:50])
+    for q in (seen, seen[::-1], seen[3:]):
+        assert a.query(q) == b.query(q)
+
+
+SAMPLE = [
+    BlockStored([1, 2**64 - 1], None, list(range(64)), 16, None, "GPU", None),
+    BlockStored([3], 2, [5] * 16, 16, 7, "CPU", "lora", [("x", 1), None], 0, "full", None, "LOCAL", "me", "s1"),
+    BlockRemoved([1], None),
+    BlockRemoved([2**64 - 1], "STORAGE", 1, "LOCAL", "me"),
+    AllBlocksCleared(),
+]
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_fast_path_reads_as_the_typed_decoder(form: str) -> None:
+    payload = encode_batch(SAMPLE, 3.5, 2, form=form)
+    fast, typed = KVEventDecoder(), KVEventDecoder()
+    typed._scan = None
+    a, b = fast.decode_payload(payload), typed.decode_payload(payload)
+    assert a is not None and b is not None and type(a.events) is CompactEvents
+    assert (a.ts, a.data_parallel_rank, len(a.events)) == (b.ts, b.data_parallel_rank, 5)
+    assert list(a.events) == b.events and a.events == b.events
+    assert [type(e) for e in a.events] == [type(e) for e in b.events]
+    assert fast.stats() == typed.stats()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\x93",  # truncated
+        encode_batch(SAMPLE, 1.0, 0)[:-3],  # truncated inside an event
+        encode_batch(SAMPLE, 1.0, 0) + b"\x00",  # trailing bytes
+        encode_batch([BlockStored([b"\x01" * 32], None, [], 16, None, None, None)], 1.0, 0),  # bytes hashes
+    ],
+)
+def test_fast_path_declines_what_it_does_not_take(payload: bytes) -> None:
+    """Anything but a whole, plain batch goes to the msgspec decoder, which decides (and counts) what it is."""
+    from llmd.kv.compact import scan
+
+    assert scan(payload) is None
