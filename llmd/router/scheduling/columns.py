@@ -23,8 +23,10 @@ def kv_need(need_tokens: int, block_size: int) -> int:
 
 
 class Columns:
-    """Per-endpoint fields as arrays, position i being the snapshot's i-th candidate. `inflight_kv_tokens` is read
-    only through `kv_fits` (the router core computes it per request, and only where it can decide a fit)."""
+    """Per-endpoint fields as arrays, position i being the snapshot's i-th candidate: the ones the pipeline reads for
+    every endpoint of a hop (the rest, running and cpu_capacity_blocks, only in the `state` of the few a decision
+    names). `inflight_kv_tokens` is read only through `kv_fits` (the router core computes it per request, and only
+    where it can decide a fit)."""
 
     def __init__(
         self,
@@ -32,27 +34,24 @@ class Columns:
         *,
         healthy: np.ndarray,
         waiting: np.ndarray,
-        running: np.ndarray,
         kv_usage: np.ndarray,
         inflight: np.ndarray,
         inflight_tokens: np.ndarray,
         kv_capacity_blocks: np.ndarray,
-        cpu_capacity_blocks: np.ndarray,
         roles: dict[str, np.ndarray] | None = None,
+        slot: dict[Holder, int] | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.n = len(endpoints)
         self.healthy = healthy
         self.waiting = waiting
-        self.running = running
         self.kv_usage = kv_usage
         self.inflight = inflight
         self.inflight_tokens = inflight_tokens
         self.kv_capacity_blocks = kv_capacity_blocks
-        self.cpu_capacity_blocks = cpu_capacity_blocks
         self._roles = roles if roles is not None else role_masks(endpoints)
         self._routable: dict[Hop, np.ndarray] = {}
-        self._slot: dict[Holder, int] | None = None
+        self._slot = slot  # holder -> position, when given (the router core keeps its own)
         self._holders: list[Holder] | None = None
 
     @classmethod
@@ -67,12 +66,10 @@ class Columns:
             [c.endpoint for c in cands],
             healthy=np.array([s.healthy for s in sts], dtype=bool),
             waiting=col("waiting"),
-            running=col("running"),
             kv_usage=col("kv_usage", np.float64),
             inflight=col("inflight"),
             inflight_tokens=col("inflight_tokens"),
             kv_capacity_blocks=col("kv_capacity_blocks"),
-            cpu_capacity_blocks=col("cpu_capacity_blocks"),
         )
         got.states = sts
         got.inflight_kv_tokens = col("inflight_kv_tokens")

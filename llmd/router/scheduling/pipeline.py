@@ -33,7 +33,7 @@ from llmd.router.scheduling.pd import (
     CostModel,
     P2PChoice,
     PDInputs,
-    decide_p2p,
+    decide_p2p_columns,
     decide_queue_aware,
     decide_threshold,
 )
@@ -41,7 +41,6 @@ from llmd.router.scheduling.picker import column_totals_array, pick_max_array, p
 from llmd.router.scheduling.plugins import (
     FILTERS,
     SCORERS,
-    ColumnScorer,
     Input,
     Learner,
     Scorer,
@@ -365,8 +364,9 @@ class Scheduler:
         return False
 
     def _score(self, scorer: Scorer, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
-        if isinstance(scorer, ColumnScorer):
-            return scorer.score_columns(ctx, idx)
+        by_columns = getattr(scorer, "score_columns", None)  # ColumnScorer (isinstance on a Protocol costs more)
+        if by_columns is not None:
+            return by_columns(ctx, idx)  # type: ignore[no-any-return]
         # A scorer with the list interface only: its candidates, and the hits it may read, built for it.
         if ctx.hits is None:
             ctx.hits = self._primary.hits(ctx)
@@ -434,16 +434,13 @@ class Scheduler:
         target = int(cands[i])
         # (argmin: the first least loaded, as min() takes)
         holder = target if (ties == target).any() else int(ties[int(np.argmin(_loads(cols, ties)))])
-        if not (
-            cols.inflight[holder] >= cfg.max_inflight_per_pod or cols.waiting[holder] >= self.tuning.p2p_max_waiting
-        ):
-            return None  # not overloaded: the common case, decided before any per-candidate work
-        return decide_p2p(
+        return decide_p2p_columns(
             i,
-            cols.candidates(cands),
-            totals.tolist(),
-            hc.tokens[cands].tolist(),
-            cols.candidate(holder),
+            cols,
+            cands,
+            totals,
+            hc.tokens[cands],
+            holder,
             best,
             min_tokens=min_tokens,
             max_inflight=cfg.max_inflight_per_pod,

@@ -179,15 +179,20 @@ class PrecisePrefixScorer(_PrefixScorer):
             floor = gpu_of(hashes) if gpu_of is not None else None
             if floor is None:
                 floor = {holder: g for holder, _, g, _ in matches}
-            for holder, s in self.speculative.match(hashes, ctx.now, floor).items():
-                i = slot.get(holder)
-                if i is None:
-                    continue
-                if s >= held[i]:
-                    held[i] = gpu[i] = s
-                elif s:
-                    gpu[i] = s  # as in `_hits`: the speculative GPU prefix only
-                has[i] = True
+            spec = self.speculative.match(hashes, ctx.now, floor)
+            if spec:
+                # As `_hits` does holder by holder: a speculative prefix at least as long as the real one replaces
+                # it; a shorter one (still longer than the real GPU blocks) counts as the GPU share only.
+                at = np.array([slot.get(h, -1) for h in spec], dtype=np.intp)
+                s = np.fromiter(spec.values(), I64, len(spec))
+                listed = at >= 0
+                at, s = at[listed], s[listed]
+                longer = s >= held[at]
+                held[at[longer]] = s[longer]
+                gpu[at[longer]] = s[longer]
+                shorter = ~longer & (s != 0)
+                gpu[at[shorter]] = s[shorter]
+                has[at] = True
         gpu_t = np.minimum(cap, gpu * bs)
         return HitColumns(n, has, gpu, held - gpu, gpu_t, np.minimum(cap, held * bs) - gpu_t)
 
