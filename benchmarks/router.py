@@ -5,6 +5,9 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   by ~632 tokens: incremental tokenization and block hashing (llmd.tokens.PromptCache), then Scheduler.schedule over
   64 endpoints against a KV index holding the session's blocks plus 1M other blocks. Median over 30 turns.
 - route_speedup_vs_full: the same turn tokenized, hashed and scored from scratch / incrementally.
+- route_ms_p50_544 / route_ms_p99_544: router CPU time of one RouterCore decision (admission, snapshot, KV index query,
+  scheduling, ledger) for a ~195K-token turn (~3,050 blocks) over the published 544-endpoint deployment
+  (examples/glm52-544gpu.yaml), against a KV index of 20M entries (--index-entries), 400 requests in flight. 200 turns.
 - router_req_per_s: non-streaming completions with short text prompts through `llmd router` (pinned to core 0) in
   front of 4 simulated engines at time scale 0 (pinned with the client to core 1).
 - hit_rate_*: one fixed agentic workload (32 sessions of 10 turns over a shared system prompt, 4 of them forking a
@@ -12,12 +15,13 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   everywhere; the share of prompt tokens the engines served from cache (their own usage.cached_tokens). The oracle is
   the share an unbounded cache that had seen every earlier prompt would serve. Target: precise >= 0.9 x oracle and
   precise > approximate.
-`python benchmarks/router.py` (~3 minutes); `--quick`: the hit rates only.
+`python benchmarks/router.py` (~4 minutes); `--quick`: the hit rates only; `--route-544`: the 544-endpoint lines only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import socket
@@ -33,7 +37,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _report import report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+from _report import info, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
 
 from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.kv.hashing import BlockHasher, event_hash  # noqa: E402
@@ -151,6 +155,81 @@ def route_cost(model: Path) -> None:
     print(f"# route turn: {enc.num_tokens:,} tokens, modes {set(modes)}, full {statistics.median(full) * 1e3:.1f} ms")
     report("route_ms_p50", inc_ms, 2.0, False, "{:.3f}")
     report("route_speedup_vs_full", statistics.median(full) / statistics.median(incremental), 50, True, "{:.1f}")
+
+
+def route_cost_544(entries: int) -> None:
+    """route_ms_p50_544 / route_ms_p99_544: RouterCore's decision (admission, snapshot, index query, scheduling,
+    ledger) for a ~195K-token turn over the 544-endpoint deployment, against a KV index of `entries` blocks."""
+    import numpy as np
+
+    from llmd.discovery import PodInfo
+    from llmd.router.config import cost_models
+    from llmd.router.core import Job, RouterCore
+    from llmd.router.pods import Pod
+    from llmd.spec import load_spec
+
+    spec = load_spec(ROOT / "examples" / "glm52-544gpu.yaml")
+    models = cost_models(spec)
+    sched = Scheduler(spec.router, 1, latency=models.get("latency"), prefill_latency=models.get("prefill_latency"))
+    index = KVIndex(max_entries=entries + 1_000_000)
+    core = RouterCore(sched, index, max_inflight=spec.router.max_inflight_per_pod, queue_limit=100_000)
+    holders = []
+    for role, n, dp, blocks in (("prefill", 10, 16, 4097), ("decode", 3, 128, 13366)):
+        for k in range(n):
+            name = f"{role}-{k}"
+            pinfo = PodInfo(name, role, f"http://{name}:8000", dp, engine_id=name, side_channel_host=name,
+                           side_channel_port=5600)  # fmt: skip
+            pod = Pod(pinfo, healthy=True)
+            for r, st in enumerate(pod.ranks):
+                st.kv_capacity_blocks, st.cpu_capacity_blocks = blocks, 39107
+                st.running, st.waiting, st.kv_usage = (r * 7) % 64, r % 3, (r % 10) / 10
+                holders.append((name, r))
+            core.pod_up(pod)
+    gen = np.random.default_rng(0)
+    system = gen.integers(0, 2**63, 46).tolist()  # a 3,000-token system prompt every engine holds
+    t0 = time.perf_counter()
+    for h in holders:
+        index.store(h, system, "GPU", None)
+    stored = 46
+    k = 0
+    while stored < entries:  # other sessions' 3,000-block chains (system prompt first), two holders each
+        chain = system + gen.integers(0, 2**63, min(3000, entries - stored + 46) - 46).tolist()
+        index.store(holders[k % len(holders)], chain, "GPU", None)
+        index.store(holders[(k * 7 + 3) % len(holders)], chain[: len(chain) // 2], "CPU", None)
+        stored += len(chain) - 46
+        k += 1
+    build_s = time.perf_counter() - t0
+    # The index's millions of objects would make every full collection scan them (~1 s at 20M entries, inside some
+    # decision); a long-running router freezes what it built at startup likewise.
+    gc.collect()
+    gc.freeze()
+    rng = random.Random(0)
+    background = []  # requests in flight elsewhere, so KV admission has in-flight KV to weigh
+    for i in range(400):
+        chain = system + gen.integers(0, 2**63, rng.randrange(10, 400)).tolist()
+        req = RouteRequest(f"bg{i}", chain, len(chain) * BLOCK, BLOCK, f"bg{i}", max_tokens=2000)
+        background += core.submit(Job(req, req.session_id or ""), 0.0)
+    agents = [system + gen.integers(0, 2**63, 2950 - 46).tolist() for _ in range(10)]
+    for a, chain in enumerate(agents):  # each agent's context is cached where it last ran
+        index.store(holders[160 + 37 * a], chain, "GPU", None)
+    times = []
+    for turn in range(200):  # 20 turns of 10 agents, each ~632 tokens longer than the last: ~3,000-3,150 blocks
+        a = turn % len(agents)
+        chain = agents[a] = agents[a] + gen.integers(0, 2**63, 10).tolist()
+        req = RouteRequest(f"t{turn}", tuple(chain), len(chain) * BLOCK + 17, BLOCK, f"agent{a}", max_tokens=2000)
+        job = Job(req, req.session_id or "")
+        now = 1.0 + turn * 0.01
+        c0 = time.thread_time()
+        got = core.submit(job, now)
+        times.append(time.thread_time() - c0)
+        assert got and job.flight is not None, "the turn was not admitted"
+        index.store(job.flight.decision.target.holder, chain, "GPU", None)  # its KV events, arrived
+        core.complete(job.flight, now)
+    times.sort()
+    info("route_544", f"{len(agents[0]) * BLOCK:,}-token turns, {len(holders)} endpoints, index {len(index):,} entries "
+         f"(built in {build_s:.0f} s), {len(background)} requests in flight; {len(times)} turns")  # fmt: skip
+    report("route_ms_p50_544", statistics.median(times) * 1e3, 2.0, False, "{:.3f}")
+    report("route_ms_p99_544", times[int(len(times) * 0.99) - 1] * 1e3, 5.0, False, "{:.3f}")
 
 
 # --- processes -------------------------------------------------------------------------------------------------------
@@ -344,7 +423,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="hit rates by policy only (~1 minute)")
+    p.add_argument("--route-544", action="store_true", help="route_ms_*_544 only (~1 minute, ~3 GB)")
+    p.add_argument("--index-entries", type=int, default=20_000_000, help="KV index size for route_ms_*_544")
     args = p.parse_args(argv)
+    if args.route_544:
+        route_cost_544(args.index_entries)
+        return 0
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory(prefix="llmd-router-bench-") as d:
@@ -352,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         model = make_tiny(tmp / "tiny", weights=False)
         if not args.quick:
             route_cost(model)
+            route_cost_544(args.index_entries)
             throughput(model, tmp)
         hit_rates(model, tmp)
     return 0

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from llmd.router import pd as hops
 from llmd.router.admission import QueueFull, Rate, WaitQueue, retry_after
+from llmd.router.fleet import Fleet, RequestColumns
 from llmd.router.ledger import NO_KV, Flight, KVKey, Ledger, Load
 from llmd.router.pods import Pod
-from llmd.router.scheduling import Endpoint, EndpointState, NoEndpointError, RouteRequest, Scheduler, Snapshot
+from llmd.router.scheduling import Endpoint, NoEndpointError, RouteRequest, Scheduler, Snapshot
 from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
-from llmd.router.scheduling.state import Candidate
 
 if TYPE_CHECKING:
     from llmd.kv.index import KVIndex, PrefixMatch
@@ -79,61 +78,7 @@ class Outcome:
     error: str = ""
 
 
-class _Slot:
-    """One routable endpoint as the snapshot sees it: its engine's gauges and the ledger's Load, and the state last
-    built from them (reused while they stay the same: building a frozen EndpointState costs more than comparing)."""
-
-    __slots__ = (
-        "cand",
-        "ep",
-        "gauges",
-        "gauges_seen",
-        "held",
-        "held_exact",
-        "held_snap",
-        "held_version",
-        "inflight_kv",
-        "load",
-        "load_version",
-        "pod",
-    )
-
-    def __init__(self, ep: Endpoint, pod: Pod, load: Load) -> None:
-        self.ep = ep
-        self.pod = ep.pod
-        self.gauges = pod.ranks[ep.dp_rank]
-        self.load = load
-        # What `cand`'s state was built from: the gauges, the Load's version, the KV in flight less the shared.
-        self.gauges_seen: tuple[Any, ...] | None = None
-        self.load_version = -1
-        self.inflight_kv = -1
-        self.cand: Candidate | None = None
-        # The last snapshot's request units in flight here (InflightKV.held_prefix), exact or a lower bound, and the
-        # snapshot and InflightKV version it was for.
-        self.held = 0
-        self.held_exact = False
-        self.held_snap = -1
-        self.held_version = -1
-
-
-# The engine gauges an EndpointState copies, read in one call.
-_GAUGES = attrgetter("waiting", "running", "kv_usage", "kv_capacity_blocks", "cpu_capacity_blocks")
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading units two chains share (chained hashes: equal at i means equal before i)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _snapshot_order(slot: _Slot) -> tuple[str, int, str, str]:
-    ep = slot.ep
+def _snapshot_order(ep: Endpoint) -> tuple[str, int, str, str]:
     return ep.pod, ep.dp_rank, ep.role, ep.url
 
 
@@ -189,10 +134,8 @@ class RouterCore:
         # Approximate routing's characters per token: the tuning's guess, then learned from the engines' usage.
         self.chars_per_token = float(scheduler.tuning.chars_per_token)
         self._pods: dict[str, Pod] = {}  # routable (healthy) pods
-        self._slots: list[_Slot] = []  # every rank of every routable pod, in Snapshot's order
+        self._fleet: Fleet | None = None  # every rank of every routable pod, in Snapshot's order
         self._endpoints_stale = True
-        self._snaps = 0  # snapshots taken with a request's units, and the units of the last one
-        self._last_units: Sequence[int] = ()
         self._done = Rate(now)
         self._wake_at: float | None = None
 
@@ -303,20 +246,25 @@ class RouterCore:
             self._wake_at = at
 
     # ---- the decision ------------------------------------------------------------------------------------------------
-    def _routable(self) -> list[_Slot]:
+    def _routable(self) -> Fleet:
         """Every rank of every routable pod, in the order Snapshot keeps; rebuilt only when the pod set changes."""
         if self._endpoints_stale:
-            out = []
-            load = self.ledger.load
+            slots = []
             for pod in self._pods.values():
                 info = pod.info
                 for r in range(info.dp_size):
                     ep = Endpoint(info.name, r, info.role, info.url, info.dp_size, info.host)  # type: ignore[arg-type]
-                    out.append(_Slot(ep, pod, load(ep.holder)))
-            out.sort(key=_snapshot_order)
-            self._slots = out
+                    slots.append((ep, pod.ranks[r]))
+            slots.sort(key=lambda s: _snapshot_order(s[0]))
+            self._fleet = Fleet(slots, self.ledger)
             self._endpoints_stale = False
-        return self._slots
+        return self._fleet
+
+    def _columns(
+        self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | None = None
+    ) -> RequestColumns:
+        hashes, unit, _ = kv
+        return self._routable().columns(excluded, hashes, unit, cached)
 
     def snapshot(
         self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | None = None, now: float = 0.0
@@ -325,68 +273,8 @@ class RouterCore:
         the KV in flight there that this request does not share (its prefix held once, however many requests hold
         it), so kv_fits(state, request's whole need) is exact. `cached`: GPU blocks of the prefix each holder has
         cached (None: all of it): shared blocks count once only as far as the engine has them cached
-        (InflightKV.shared_tokens)."""
-        hashes, unit, _ = kv
-        n = len(hashes)
-        upto_of = cached.get if cached is not None else None
-        # Most requests share a long prefix with the one before (every session's system prompt): an endpoint whose
-        # in-flight units stopped short of that common part, and have not changed since, hold the same now.
-        last = self._snaps
-        common = _common_prefix(hashes, self._last_units) if unit else 0
-        if unit:
-            self._snaps += 1
-            self._last_units = hashes
-        cands = []
-        append = cands.append
-        gauges = _GAUGES
-        for slot in self._routable():
-            if excluded and slot.pod in excluded:
-                continue
-            ld = slot.load
-            ikv = ld.kv
-            inflight_kv = ikv.tokens
-            if unit and inflight_kv:
-                upto = n if upto_of is None else upto_of(slot.ep.holder, 0)
-                if upto:
-                    version = ikv.version
-                    if slot.held_snap == last and slot.held_version == version:
-                        lo = slot.held  # held of the last request's units, or a lower bound
-                        known = lo if lo < common else common  # held of this request's, at least
-                        if upto <= known:
-                            held, exact = upto, False  # all the engine has cached is shared: no need to look further
-                            slot.held = known
-                        elif lo < common and slot.held_exact:
-                            held, exact = lo, True
-                        else:
-                            held = slot.held = ikv.held_prefix(hashes, known)
-                            exact = True
-                    else:
-                        held = slot.held = ikv.held_prefix(hashes)
-                        exact = True
-                    slot.held_exact = exact
-                    slot.held_snap = last + 1
-                    slot.held_version = version
-                    inflight_kv -= (held if held < upto else upto) * unit
-            g = gauges(slot.gauges)
-            if g != slot.gauges_seen or ld.version != slot.load_version or inflight_kv != slot.inflight_kv:
-                slot.gauges_seen = g
-                slot.load_version = ld.version
-                slot.inflight_kv = inflight_kv
-                waiting, running, kv_usage, kv_cap, cpu_cap = g
-                state = EndpointState(
-                    healthy=True,
-                    waiting=waiting,
-                    running=running,
-                    kv_usage=kv_usage,
-                    inflight=ld.inflight,
-                    inflight_tokens=ld.inflight_tokens,
-                    inflight_kv_tokens=inflight_kv,
-                    kv_capacity_blocks=kv_cap,
-                    cpu_capacity_blocks=cpu_cap,
-                )
-                slot.cand = Candidate(slot.ep, state)
-            append(slot.cand)
-        return Snapshot.of_ordered(cands, now)  # type: ignore[arg-type]
+        (InflightKV.shared_tokens). Kept as columns (fleet.RequestColumns); the states are built when read."""
+        return Snapshot.of_columns(self._columns(excluded, kv, cached), now)
 
     def _choose(self, job: Job, now: float, others: int) -> Flight | None:
         """The scheduling decision, taken only when its target has room (else None: wait). `others`: requests
@@ -405,28 +293,34 @@ class RouterCore:
             if self._cached_from_index:
                 # One index query for the KV-fit check and the scheduler's prefix hits (same hashes, same moment).
                 matches = self.index.query(hashes)
-                cached = {holder: gpu for holder, _, gpu, _ in matches}
+                holders, _, gpus, _ = zip(*matches, strict=True) if matches else ((), (), (), ())
+                cached = dict(zip(holders, gpus, strict=True))
                 index = _QueriedIndex(self.index, hashes, matches, cached)
             else:
                 cached = {}
-        snap = self.snapshot(job.excluded, kv, cached, now)
-        if job.excluded and not any(ep.role != "prefill" for ep in snap.states):
+        cols = self._columns(job.excluded, kv, cached)
+        serving = cols.routable("decode")  # every endpoint not in the prefill pool (the core's are all healthy)
+        if job.excluded and not len(serving):
             # Every other pod failed this request too; a pod that is still healthy may serve it plainly (the retry
             # carries no KV-transfer parameters), which beats answering with its error.
-            snap = self.snapshot(set(), kv, cached, now)
-        room = self.ledger.has_room
+            cols = self._columns(set(), kv, cached)
+            serving = cols.routable("decode")
+        if not len(serving):
+            raise NoEndpointError("no healthy decode endpoint")
         need, bs = req.kv_tokens, req.block_size
-        if not any(room(ep.holder) and kv_fits(st, need, bs) for ep, st in snap.states.items() if ep.role != "prefill"):
-            if not any(ep.role != "prefill" for ep in snap.states):
-                raise NoEndpointError("no healthy decode endpoint")
+        free = serving[cols.inflight[serving] < self.ledger.max_inflight]
+        if not len(free) or not cols.kv_fits(free, need, bs).any():
             return None  # every one full (slots or KV): wait without paying for a scoring pass
+        snap = Snapshot.of_columns(cols, now)
         d = self.scheduler.schedule(
             req, snap, cast("KVIndex", index), now, waited_s=now - job.queued_at, queued=max(0, others)
         )
         target = self._pods.get(d.target.pod)
         if target is None:
             return None
-        if not room(d.target.holder) or not kv_fits(snap.states[d.target], need, bs):
+        slot = cols.slot_of()
+        assert slot is not None  # one endpoint per holder
+        if not self.ledger.has_room(d.target.holder) or not kv_fits(cols.state(slot[d.target.holder]), need, bs):
             if d.wait_s > 0:  # waiting for the prefix holder: ask again when that stops paying, if nothing frees first
                 self._ask_at(now + d.wait_s + _WAKE_MARGIN_S)
             return None

@@ -56,6 +56,8 @@ class Ledger:
             raise ValueError("max_inflight must be >= 1")
         self.max_inflight = max_inflight
         self._loads: dict[Holder, Load] = {}
+        # Loads changed since the router core last read them: it keeps its columns current from these alone.
+        self.touched: list[Load] = []
 
     def load(self, holder: Holder) -> Load:
         got = self._loads.get(holder)
@@ -75,14 +77,15 @@ class Ledger:
 
     def take(self, holder: Holder, tokens: int, kv: KVKey) -> Load:
         ld = self.load(holder)
+        self.touched.append(ld)
         ld.version += 1
         ld.inflight += 1
         ld.inflight_tokens += tokens
         ld.kv.add(*kv)
         return ld
 
-    @staticmethod
-    def give(ld: Load, tokens: int, kv: KVKey) -> None:
+    def give(self, ld: Load, tokens: int, kv: KVKey) -> None:
+        self.touched.append(ld)
         ld.version += 1
         ld.inflight = max(0, ld.inflight - 1)
         ld.inflight_tokens = max(0, ld.inflight_tokens - tokens)

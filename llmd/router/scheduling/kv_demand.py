@@ -7,17 +7,26 @@ once. Each request adds its partial last block and its whole requested output. P
 
 from __future__ import annotations
 
+from collections import _count_elements, deque  # type: ignore[attr-defined]  # Counter.update's C loop
 from collections.abc import Sequence
+from itertools import compress, repeat
 
 
 class InflightKV:
     """`add` when a request is sent to the endpoint, `remove` with the same arguments when it ends; `tokens` is the
-    KV those requests can occupy at most."""
+    KV those requests can occupy at most.
 
-    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens", "tokens", "version")
+    Counting is done a whole request at a time in C (a request holds thousands of units): while every unit was
+    added with the same tokens per unit (block hashes always are), a unit's tokens are that one number; the first
+    add with another (approximate routing's chunks, as chars_per_token is learned) keeps each unit's own from then on.
+    """
+
+    __slots__ = ("_extra_tokens", "_refs", "_shared_tokens", "_tokens_of", "_unit", "tokens", "version")
 
     def __init__(self) -> None:
-        self._refs: dict[int, tuple[int, int]] = {}  # hash -> (requests holding it, its tokens when first added)
+        self._refs: dict[int, int] = {}  # hash -> requests holding it
+        self._unit = 0  # the tokens of every unit in `_refs`, while `_tokens_of` is None
+        self._tokens_of: dict[int, int] | None = None  # hash -> its tokens when first added, once units differ
         self._shared_tokens = 0  # distinct prompt units in flight, in tokens
         self._extra_tokens = 0  # partial blocks and outputs
         self.version = 0  # bumped by every add and remove: what a caller remembers of `held_prefix` holds till then
@@ -26,15 +35,28 @@ class InflightKV:
     def add(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
         self.version += 1
         refs = self._refs
-        for h in hashes:
-            held = refs.get(h)
-            if held is None:
-                self._shared_tokens += unit_tokens
-                refs[h] = (1, unit_tokens)
-            else:
-                refs[h] = (held[0] + 1, held[1])
+        if self._tokens_of is None and (unit_tokens == self._unit or not refs):
+            self._unit = unit_tokens
+            before = len(refs)
+            _count_elements(refs, hashes)  # refs[h] += 1 for each, in C
+            self._shared_tokens += (len(refs) - before) * unit_tokens
+        else:
+            tokens_of = self._own_tokens()
+            for h in hashes:
+                held = refs.get(h)
+                if held is None:
+                    self._shared_tokens += unit_tokens
+                    refs[h] = 1
+                    tokens_of[h] = unit_tokens
+                else:
+                    refs[h] = held + 1
         self._extra_tokens += extra_tokens
         self.tokens = self._shared_tokens + self._extra_tokens
+
+    def _own_tokens(self) -> dict[int, int]:
+        if self._tokens_of is None:
+            self._tokens_of = dict.fromkeys(self._refs, self._unit)
+        return self._tokens_of
 
     def shared_tokens(self, hashes: Sequence[int], unit_tokens: int, upto: int | None = None) -> int:
         """Tokens of `hashes`' leading units (of the first `upto`, default all) already held by requests in flight
@@ -67,15 +89,24 @@ class InflightKV:
         """Undo one `add` with the same arguments (a unit's tokens are the ones it was first added with)."""
         self.version += 1
         refs = self._refs
-        for h in hashes:
-            held = refs.get(h)
-            if held is None:
-                continue
-            if held[0] <= 1:
-                del refs[h]
-                self._shared_tokens = max(0, self._shared_tokens - held[1])
-            else:
-                refs[h] = (held[0] - 1, held[1])
+        counts = list(map(refs.get, hashes))
+        if self._tokens_of is None and None not in counts and len(set(hashes)) == len(counts):
+            # Each unit once and held: new counts in C, the units no request holds any more dropped in C.
+            refs.update(zip(hashes, map(int.__sub__, counts, repeat(1)), strict=True))
+            gone = list(compress(hashes, map((1).__eq__, counts)))
+            deque(map(refs.pop, gone), maxlen=0)
+            self._shared_tokens = max(0, self._shared_tokens - len(gone) * self._unit)
+        else:
+            tokens_of = self._own_tokens()
+            for h in hashes:
+                held = refs.get(h)
+                if held is None:
+                    continue
+                if held <= 1:
+                    del refs[h]
+                    self._shared_tokens = max(0, self._shared_tokens - tokens_of.pop(h))
+                else:
+                    refs[h] = held - 1
         self._extra_tokens = max(0, self._extra_tokens - extra_tokens)
         self.tokens = self._shared_tokens + self._extra_tokens
 

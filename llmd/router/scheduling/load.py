@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from llmd.router.scheduling.plugins import ScorerPlugin, ScoringContext, register_scorer
 from llmd.router.scheduling.state import Candidate
 
@@ -28,6 +30,16 @@ class QueueScorer:
         span = hi - lo
         return [(hi - q) / span for q in qs]
 
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        assert ctx.columns is not None
+        qs = ctx.columns.waiting[idx]
+        if not len(qs):
+            return np.zeros(0)
+        lo, hi = int(qs.min()), int(qs.max())
+        if hi == lo:
+            return np.ones(len(qs))
+        return (hi - qs) / (hi - lo)  # int64 / int: each the correctly rounded quotient, as Python's
+
 
 class KVUtilScorer:
     """1 - KV cache usage."""
@@ -38,6 +50,11 @@ class KVUtilScorer:
         # min(1.0, max(0.0, x)) without two calls per candidate (NaN -> 0.0, -0.0 -> 0.0, as there).
         free = [1.0 - c.state.kv_usage for c in cands]
         return [(x if x < 1.0 else 1.0) if x > 0.0 else 0.0 for x in free]
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        assert ctx.columns is not None
+        free = 1.0 - ctx.columns.kv_usage[idx]
+        return np.where(free > 0.0, np.minimum(free, 1.0), 0.0)
 
 
 class LoadAwareScorer:
@@ -54,6 +71,10 @@ class LoadAwareScorer:
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
         t = self.threshold
         return [0.5 * max(0.0, 1.0 - max(0, c.state.waiting) / t) for c in cands]
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        assert ctx.columns is not None
+        return 0.5 * np.maximum(0.0, 1.0 - np.maximum(0, ctx.columns.waiting[idx]) / self.threshold)
 
 
 class TokenLoadScorer:
@@ -79,6 +100,13 @@ class TokenLoadScorer:
             own = n - h.tokens if h is not None else n
             out.append(1.0 - min(1.0, (max(0, c.state.inflight_tokens) + max(0, own)) / lim))
         return out
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        assert ctx.columns is not None
+        n = max(0, ctx.req.num_tokens)
+        own = n - ctx.hit_cols.tokens[idx] if ctx.hit_cols is not None else np.full(len(idx), n)
+        work = np.maximum(0, ctx.columns.inflight_tokens[idx]) + np.maximum(0, own)
+        return 1.0 - np.minimum(1.0, work / self.limit)
 
 
 _ENGINE = frozenset({"engine_state"})

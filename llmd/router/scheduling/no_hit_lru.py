@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from llmd.router.scheduling.plugins import ScorerPlugin, ScoringContext, register_scorer
 from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteRequest
 
@@ -51,6 +53,22 @@ class NoHitLRUScorer:
         m = len(used)
         rank = {s: i for i, s in enumerate(used)}
         return [1.0 if not s else (m - rank[s]) / (m + 1) for s in stamps]
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        assert ctx.columns is not None
+        n = len(idx)
+        last = self._last
+        if ctx.cold is False:
+            return np.full(n, 0.5)
+        if not last:
+            return np.ones(n)
+        hs = ctx.columns.holders
+        stamps = np.array([last.get(hs[i], 0) for i in idx.tolist()], dtype=np.int64)
+        used = np.unique(stamps[stamps != 0])
+        if not len(used):
+            return np.ones(n)
+        m = len(used)
+        return np.where(stamps == 0, 1.0, (m - np.searchsorted(used, stamps)) / (m + 1))
 
 
 register_scorer(ScorerPlugin("no-hit-lru", lambda s: NoHitLRUScorer(), spreads_cold=True))

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from llmd.router.scheduling.state import Candidate, Endpoint, EndpointState, PDDecision
+
+if TYPE_CHECKING:
+    from llmd.router.scheduling.columns import Columns
 
 
 class CostModel(Protocol):
@@ -198,3 +203,39 @@ def decide_p2p(
             return None
         best = max(eligible, key=lambda i: (totals[i], -endpoint_load(cands[i].state), -i))
     return P2PChoice(best, holder.endpoint, holder_tokens - hit_tokens[best])
+
+
+def decide_p2p_columns(
+    target: int,
+    cols: Columns,
+    cands: np.ndarray,
+    totals: np.ndarray,
+    hit_tokens: np.ndarray,
+    holder: int,
+    holder_tokens: int,
+    *,
+    min_tokens: int,
+    max_inflight: int,
+    max_waiting: int,
+    load_ratio: float,
+) -> P2PChoice | None:
+    """`decide_p2p` over a snapshot's columns: `cands` are the candidates' positions in `cols`, `holder` the
+    holder's, `totals` and `hit_tokens` aligned with `cands`; `target` indexes `cands`. The same choice."""
+    inflight, waiting = cols.inflight, cols.waiting
+    if not (inflight[holder] >= max_inflight or waiting[holder] >= max_waiting):
+        return None
+    limit = load_ratio * (max(0, int(inflight[holder])) + max(0, int(waiting[holder])))
+    fl, wt = inflight[cands], waiting[cands]
+    load = np.maximum(0, fl) + np.maximum(0, wt)
+    ok = (cands != holder) & (fl < max_inflight) & (wt < max_waiting) & (load <= limit)
+    ok &= holder_tokens - hit_tokens >= min_tokens
+    if ok[target]:
+        best = target
+    else:
+        eligible = np.flatnonzero(ok)
+        if not len(eligible):
+            return None
+        # max by (total, -load, -i): the highest total, then the least loaded, then the first
+        top = eligible[totals[eligible] == totals[eligible].max()]
+        best = int(top[load[top] == load[top].min()][0])
+    return P2PChoice(best, cols.endpoints[holder], holder_tokens - int(hit_tokens[best]))

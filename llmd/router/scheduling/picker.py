@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import numpy as np
+
 from llmd.router.scheduling.plugins import PickerPlugin, register_picker
 
 # Totals this close are a tie: float sums of the same parts in another order differ in the last bits.
@@ -30,6 +32,22 @@ def column_totals(n: int, columns: Sequence[tuple[str, float, Sequence[float]]])
     for _, weight, scores in columns:
         totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
     return totals
+
+
+def column_totals_array(n: int, columns: Sequence[tuple[str, float, np.ndarray]]) -> np.ndarray:
+    """`column_totals` over arrays: the same IEEE operations in the same order, element by element."""
+    totals = np.zeros(n)
+    for _, weight, scores in columns:
+        totals = totals + weight * scores
+    return totals
+
+
+def pick_max_array(totals: np.ndarray, rng: random.Random) -> int:
+    """`pick_max` of an array of totals (the same choice and the same RNG draws)."""
+    if not len(totals):
+        raise ValueError("no candidates to pick from")
+    ties = np.flatnonzero(totals >= totals.max() - TIE_EPS)
+    return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])
 
 
 def pick_max(totals: Sequence[float], rng: random.Random) -> int:

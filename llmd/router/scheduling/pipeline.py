@@ -23,34 +23,33 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from llmd.router.scheduling import filters
+from llmd.router.scheduling.columns import Columns, HitColumns
 from llmd.router.scheduling.load import LOAD_AWARE_THRESHOLD, TOKEN_LOAD_LIMIT
 from llmd.router.scheduling.pd import (
     ConstantRateModel,
     CostModel,
     P2PChoice,
     PDInputs,
-    decide_p2p,
+    decide_p2p_columns,
     decide_queue_aware,
     decide_threshold,
-    endpoint_load,
-    overloaded,
 )
-from llmd.router.scheduling.picker import column_totals, pick_max, pick_min
+from llmd.router.scheduling.picker import column_totals_array, pick_max_array, pick_min
 from llmd.router.scheduling.plugins import (
     FILTERS,
     SCORERS,
     Input,
     Learner,
-    PrefixHit,
     Scorer,
     ScorerSetup,
     ScoringContext,
     scorer_names,
 )
-from llmd.router.scheduling.prefix import ApproximatePrefixScorer, PrecisePrefixScorer, prefix_scores
+from llmd.router.scheduling.prefix import ApproximatePrefixScorer, PrecisePrefixScorer
 from llmd.router.scheduling.state import (
-    HOP_ROLES,
     Candidate,
     Decision,
     Endpoint,
@@ -226,53 +225,56 @@ class Scheduler:
         and notes the chosen endpoints' KV capacity (learning from the decision is `observe_routed`'s job).
         `waited_s`: how long the request has waited for room so far; a target without room comes with `wait_s`, how
         much longer it is worth waiting for (the caller holds the request meanwhile and asks again). `queued`: other
-        requests waiting for room in the caller's queue (the fleet is saturated while there are any)."""
+        requests waiting for room in the caller's queue (the fleet is saturated while there are any).
+
+        Runs over the snapshot's columns: candidates are positions in it, filters are masks, scorers with
+        `score_columns` vector ops; an EndpointState is read only for the endpoints the decision names."""
         cfg = self.config
-        role_ok = snapshot.routable("decode")
-        if not role_ok:
+        cols = snapshot.columns
+        role_ok = cols.routable("decode")
+        if not len(role_ok):
             raise NoEndpointError("no healthy decode endpoint")
-        ctx = ScoringContext(req, now, index)
-        ctx.hits = hits = self._primary.hits(ctx)  # without an index: speculative entries alone
-        by = hits.by_holder
-        role_hits = [by.get(c.endpoint.holder) for c in role_ok]
-        ctx.cold = self._cold(req, role_hits, hits.units)
+        ctx = ScoringContext(req, now, index, columns=cols)
+        ctx.hit_cols = hc = self._primary.hit_columns(ctx)  # without an index: speculative entries alone
+        ctx.cold = self._cold(req, hc, role_ok)
         cands = role_ok
         patience: dict[Holder, float] = {}
         if self.tuning.capacity_filter:
-            cands = filters.has_capacity(cands, cfg.max_inflight_per_pod)
-            cands = filters.kv_room(cands, req.kv_tokens, req.block_size)
+            cands = self._with_room(cols, cands, req.kv_tokens, req.block_size)
             if len(cands) < len(role_ok) and self.tuning.holder_patience and self.policy in _SCORING:
-                cands, patience = self._patient(role_ok, cands, by, waited_s, queued)
+                cands, patience = self._patient(cols, hc, role_ok, cands, waited_s, queued)
         if self.affinity > 0 and self.policy in _SCORING and len(cands) > 1:
-            ttft = [self.decode_model.prefill_time(c.state.inflight_tokens) * self.tuning.time_scale for c in cands]
-            scores = prefix_scores(hits, cands, self.gpu_w, self.cpu_w)
-            cands = filters.prefix_affinity(cands, scores, self.affinity, ttft, self.max_ttft_penalty_s)
+            scale = self.tuning.time_scale
+            ttft = [self.decode_model.prefill_time(t) * scale for t in cols.inflight_tokens[cands].tolist()]
+            scores = self._prefix_scores(hc, cands).tolist()
+            keep = filters.prefix_affinity(range(len(cands)), scores, self.affinity, ttft, self.max_ttft_penalty_s)
+            cands = cands[np.array(keep, dtype=np.intp)]
 
         i, totals, columns = self._pick("decode", ctx, cands)
-        target = cands[i]
-        reason = self._reason(role_hits, by.get(target.endpoint.holder), ctx.cold)
+        t = int(cands[i])
+        reason = self._reason(hc, role_ok, t, ctx.cold)
 
         p2p = None
         if cfg.p2p and self.policy == "precise" and not ctx.cold and len(role_ok) > 1 and totals is not None:
-            p2p = self._p2p(i, cands, totals, role_ok, role_hits, by)
+            p2p = self._p2p(cols, hc, i, cands, totals, role_ok)
             if p2p is not None:
                 i = p2p.target
-                target = cands[i]
+                t = int(cands[i])
                 reason = "p2p"
-        own = by.get(target.endpoint.holder)
-        gpu_t = own.gpu_tokens if own is not None else 0
-        cpu_t = own.cpu_tokens if own is not None else 0
+        target = cols.candidate(t)
+        gpu_t = int(hc.gpu_tokens[t])
+        cpu_t = int(hc.cpu_tokens[t])
         pulled = p2p.pulled_tokens if p2p is not None else 0
         expected = gpu_t + cpu_t + pulled
         if req.num_tokens > 0:
             expected = min(expected, req.num_tokens)
 
         wait_s = patience.get(target.endpoint.holder, 0.0)
-        pd, pd_reason = (None, "p2p") if p2p else self._pd(req, snapshot, ctx, target, expected)
+        pd, pd_reason = (None, "p2p") if p2p else self._pd(req, cols, ctx, target, expected)
         self._capacity[target.endpoint.holder] = (target.state.kv_capacity_blocks, target.state.cpu_capacity_blocks)
         scores: Mapping[Endpoint, EndpointScore] = {}
         if columns is not None and totals is not None:
-            scores = ScoreTable(cands, totals, columns)
+            scores = ScoreTable(cols.endpoints, cands, totals, columns)
         return Decision(
             target=target.endpoint,
             reason=reason,
@@ -288,14 +290,23 @@ class Scheduler:
             wait_s=wait_s,
         )
 
+    def _with_room(self, cols: Columns, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
+        """filters.has_capacity then filters.kv_room, as masks: each keeps all when it would keep none."""
+        room = cols.inflight[idx] < self.config.max_inflight_per_pod
+        if room.any():
+            idx = idx[room]
+        fits = cols.kv_fits(idx, need_tokens, block_size)
+        return idx[fits] if fits.any() else idx
+
     def _patient(
         self,
-        role_ok: Sequence[Candidate],
-        room: Sequence[Candidate],
-        by: Mapping[Holder, PrefixHit],
+        cols: Columns,
+        hc: HitColumns,
+        role_ok: np.ndarray,
+        room: np.ndarray,
         waited_s: float,
         queued: int = 0,
-    ) -> tuple[list[Candidate], dict[Holder, float]]:
+    ) -> tuple[np.ndarray, dict[Holder, float]]:
         """`room` (a strict subset of `role_ok`: called only when some endpoint lacks room and another has it) plus
         the endpoints without room whose cached prefix of this request still pays to wait for, less what the request
         has waited already. Sending it elsewhere recomputes that prefix there (and evicts other sessions' prefixes to
@@ -306,108 +317,129 @@ class Scheduler:
         is saturated: GPU time is what everyone waits for, and a redundant prefill delays each of them by as much, so
         it costs (1 + queued) times that. (Measured with llmd's cluster simulator on benchmarks/routing_fleet.py's
         fleet, three seeds: at 2x KV pressure hit share 0.43 -> 0.50, req/s +4%; with a CPU tier 0.53 -> 0.73,
-        req/s +11%; at 1x unchanged.) Returns the candidates and each waiting one's remaining patience."""
-        in_room = {c.endpoint for c in room}
-        best_room = max((h.tokens for c in room if (h := by.get(c.endpoint.holder))), default=0)
+        req/s +11%; at 1x unchanged.) Returns the candidates (positions, ascending as `role_ok`) and each waiting
+        one's remaining patience."""
+        tokens = hc.tokens
+        best_room = int(tokens[room].max()) if len(room) else 0  # tokens are 0 where no hit: max(..., default=0)
+        in_room = np.zeros(cols.n, dtype=bool)
+        in_room[room] = True
+        out = role_ok[~in_room[role_ok]]
+        longer = out[tokens[out] > best_room]
+        if not len(longer):
+            return room, {}
         scale = self.tuning.time_scale
-        keep: list[Candidate] = []
+        holders = cols.holders
+        keep: list[int] = []
         patience: dict[Holder, float] = {}
-        for c in role_ok:
-            if c.endpoint in in_room:
-                keep.append(c)
-                continue
-            h = by.get(c.endpoint.holder)
-            saved = (h.tokens if h is not None else 0) - best_room
-            if saved <= 0:
-                continue
+        for i in longer.tolist():
+            saved = int(tokens[i]) - best_room
             left = self.decode_model.prefill_time(saved, best_room) * (1 + queued) * scale - waited_s
             if left > 0:
-                keep.append(c)
-                patience[c.endpoint.holder] = left
-        return keep, patience
+                keep.append(i)
+                patience[holders[i]] = left
+        if not keep:
+            return room, patience
+        return np.sort(np.concatenate([room, np.array(keep, dtype=room.dtype)])), patience
 
-    def _cold(self, req: RouteRequest, hop_hits: Sequence[PrefixHit | None], units: int) -> bool:
-        """Nothing to stick to on this hop. Not only when no endpoint holds a prefix, but also when every endpoint
-        holds the same one (the system prompt all agents share): the prefix scorer cannot tell them apart, and
-        choosing by load alone piles new sessions onto whichever pods happen to look idle, overflowing their caches
-        later. The no-hit-LRU scorer spreads such requests instead. Likewise a NEW session whose best hit is a
-        minority of its prompt (a shared system prompt one pod happens to hold): following that hit would send every
-        new agent to the same pod. A sub-agent forking its parent's context has a majority hit and still follows it.
-        Compared in the prefix source's own units (blocks, or text chunks for the approximate scorer, which counts
-        no tokens)."""
-        first = hop_hits[0]
-        if first is None:
-            if all(h is None for h in hop_hits):
+    def _cold(self, req: RouteRequest, hc: HitColumns, hop: np.ndarray) -> bool:
+        """Nothing to stick to on this hop (`hop`: its endpoints' positions). Not only when no endpoint holds a
+        prefix, but also when every endpoint holds the same one (the system prompt all agents share): the prefix
+        scorer cannot tell them apart, and choosing by load alone piles new sessions onto whichever pods happen to
+        look idle, overflowing their caches later. The no-hit-LRU scorer spreads such requests instead. Likewise a
+        NEW session whose best hit is a minority of its prompt (a shared system prompt one pod happens to hold):
+        following that hit would send every new agent to the same pod. A sub-agent forking its parent's context has
+        a majority hit and still follows it. Compared in the prefix source's own units (blocks, or text chunks for
+        the approximate scorer, which counts no tokens)."""
+        has = hc.has[hop]
+        if not has[0]:
+            if not has.any():
                 return True
-        elif all(h is not None and h.tokens == first.tokens for h in hop_hits):
-            return True
+        elif has.all():
+            tokens = hc.tokens[hop]
+            if (tokens == tokens[0]).all():
+                return True
         if req.session_id is not None and req.session_id not in self._sessions:
-            best = max((h.gpu + h.cpu for h in hop_hits if h is not None), default=0)
-            return 2 * best < units
+            best = int((hc.gpu[hop] + hc.cpu[hop])[has].max()) if has.any() else 0
+            return 2 * best < hc.units
         return False
 
+    def _score(self, scorer: Scorer, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        by_columns = getattr(scorer, "score_columns", None)  # ColumnScorer (isinstance on a Protocol costs more)
+        if by_columns is not None:
+            return by_columns(ctx, idx)  # type: ignore[no-any-return]
+        # A scorer with the list interface only: its candidates, and the hits it may read, built for it.
+        if ctx.hits is None:
+            ctx.hits = self._primary.hits(ctx)
+        assert ctx.columns is not None
+        return np.array(scorer.score(ctx, ctx.columns.candidates(idx)), dtype=np.float64)
+
     def _pick(
-        self, hop: Hop, ctx: ScoringContext, cands: Sequence[Candidate]
-    ) -> tuple[int, list[float] | None, list[tuple[str, float, list[float]]] | None]:
-        """Index of the chosen candidate, with the totals and the weighted columns when the policy scores."""
+        self, hop: Hop, ctx: ScoringContext, idx: np.ndarray
+    ) -> tuple[int, np.ndarray | None, list[tuple[str, float, np.ndarray]] | None]:
+        """Index into `idx` of the chosen candidate, with the totals and the weighted columns when the policy
+        scores."""
         policy = self.policy
         if policy in _SCORING:
             cols = self._cold_columns if ctx.cold else self.columns
-            columns = [(name, weight, scorer.score(ctx, cands)) for name, weight, scorer in cols]
-            totals = column_totals(len(cands), columns)
-            return pick_max(totals, self._rng), totals, columns
+            columns = [(name, weight, self._score(scorer, ctx, idx)) for name, weight, scorer in cols]
+            totals = column_totals_array(len(idx), columns)
+            return pick_max_array(totals, self._rng), totals, columns
         if policy == "round-robin":
             n = self._rr[hop]
             self._rr[hop] = n + 1
-            return n % len(cands), None, None
+            return n % len(idx), None, None
         if policy == "least-loaded":
-            return pick_min([endpoint_load(c.state) for c in cands], self._rng), None, None
-        return self._rng.randrange(len(cands)), None, None
+            assert ctx.columns is not None
+            return pick_min(_loads(ctx.columns, idx).tolist(), self._rng), None, None
+        return self._rng.randrange(len(idx)), None, None
 
-    def _weighted(self, h: PrefixHit | None) -> float:
-        return h.gpu * self.gpu_w + h.cpu * self.cpu_w if h is not None else 0.0
+    def _prefix_scores(self, hc: HitColumns, idx: np.ndarray) -> np.ndarray:
+        """prefix.prefix_scores over the columns."""
+        if not hc.units:
+            return np.zeros(len(idx))
+        scale = 1.0 / (hc.units * max(1.0, self.gpu_w, self.cpu_w))
+        return np.minimum(1.0, (hc.gpu[idx] * self.gpu_w + hc.cpu[idx] * self.cpu_w) * scale)
 
-    def _reason(self, role_hits: Sequence[PrefixHit | None], target_hit: PrefixHit | None, cold: bool) -> str:
-        if len(role_hits) == 1:
+    def _reason(self, hc: HitColumns, role_ok: np.ndarray, target: int, cold: bool) -> str:
+        if len(role_ok) == 1:
             return "only-healthy"
         if self.policy not in _SCORING:
             return self.policy
         if cold:
             return "cold"
-        mine = self._weighted(target_hit)
-        best = max(map(self._weighted, role_hits))
+        # Tier-weighted hit units; 0 * w + 0 * w = 0.0 where there is no hit, as `_weighted` of None.
+        weighted = hc.gpu * self.gpu_w + hc.cpu * self.cpu_w
+        mine = float(weighted[target])
+        best = float(weighted[role_ok].max())
         return "prefix-hit" if mine > 0 and mine >= best else "load"
 
     def _p2p(
         self,
+        cols: Columns,
+        hc: HitColumns,
         i: int,
-        cands: Sequence[Candidate],
-        totals: Sequence[float],
-        role_ok: Sequence[Candidate],
-        role_hits: Sequence[PrefixHit | None],
-        by: Mapping[Holder, PrefixHit],
+        cands: np.ndarray,
+        totals: np.ndarray,
+        role_ok: np.ndarray,
     ) -> P2PChoice | None:
         cfg = self.config
         min_tokens = max(1, cfg.pd_threshold)
-        role_tokens = [h.tokens if h is not None else 0 for h in role_hits]
-        best = max(role_tokens)
+        role_tokens = hc.tokens[role_ok]
+        best = int(role_tokens.max())
         if best < min_tokens:
             return None
         # The longest holder among every healthy decode endpoint, full ones included (they are the point); on a tie
         # the picker's choice, then the least loaded.
-        ties = [k for k, t in enumerate(role_tokens) if t == best]
-        target_ep = cands[i].endpoint
-        holder = next((role_ok[k] for k in ties if role_ok[k].endpoint == target_ep), None)
-        if holder is None:
-            holder = min((role_ok[k] for k in ties), key=lambda c: endpoint_load(c.state))
-        if not overloaded(holder.state, cfg.max_inflight_per_pod, self.tuning.p2p_max_waiting):
-            return None  # the common case, decided before any per-candidate work
-        cand_tokens = [h.tokens if (h := by.get(c.endpoint.holder)) is not None else 0 for c in cands]
-        return decide_p2p(
+        ties = role_ok[role_tokens == best]
+        target = int(cands[i])
+        # (argmin: the first least loaded, as min() takes)
+        holder = target if (ties == target).any() else int(ties[int(np.argmin(_loads(cols, ties)))])
+        return decide_p2p_columns(
             i,
+            cols,
             cands,
             totals,
-            cand_tokens,
+            hc.tokens[cands],
             holder,
             best,
             min_tokens=min_tokens,
@@ -417,29 +449,27 @@ class Scheduler:
         )
 
     def _pd(
-        self, req: RouteRequest, snapshot: Snapshot, ctx: ScoringContext, target: Candidate, expected: int
+        self, req: RouteRequest, cols: Columns, ctx: ScoringContext, target: Candidate, expected: int
     ) -> tuple[PDDecision | None, str]:
         cfg = self.config
-        pre_ok = snapshot.routable("prefill")
-        if not pre_ok:
-            pool = any(c.endpoint.role in HOP_ROLES["prefill"] for c in snapshot.candidates)
-            return None, "prefill-unhealthy" if pool else ""
+        pre_ok = cols.routable("prefill")
+        if not len(pre_ok):
+            return None, "prefill-unhealthy" if cols.in_role("prefill") else ""
         if max(0, req.num_tokens - expected) < cfg.pd_threshold:
             return None, "below-threshold"  # decided before choosing a prefill endpoint: that costs a scoring pass
         pre = pre_ok
         if self.tuning.capacity_filter:
-            pre = filters.has_capacity(pre, cfg.max_inflight_per_pod)
-            pre = filters.kv_room(pre, req.num_tokens, req.block_size)  # it holds the prompt until the pull
-        by = ctx.hits.by_holder if ctx.hits is not None else {}
-        units = ctx.hits.units if ctx.hits is not None else 0
+            pre = self._with_room(cols, pre, req.num_tokens, req.block_size)  # it holds the prompt until the pull
+        hc = ctx.hit_cols
+        assert hc is not None
         # The prefill pool is placed by the same rule as the decode pool: a new session is spread (no-hit LRU and
         # load), not sent to whichever prefill pod holds the shared system prompt; a known session follows its prefix.
-        cold = self._cold(req, [by.get(c.endpoint.holder) for c in pre_ok], units)
-        pctx = ScoringContext(req, ctx.now, ctx.index, ctx.hits, cold, ctx.memo)
+        cold = self._cold(req, hc, pre_ok)
+        pctx = ScoringContext(req, ctx.now, ctx.index, ctx.hits, cold, ctx.memo, cols, hc)
         j, _, _ = self._pick("prefill", pctx, pre)
-        chosen = pre[j]
-        ph = by.get(chosen.endpoint.holder)
-        inp = PDInputs(target, chosen, req.num_tokens, expected, ph.tokens if ph is not None else 0)
+        c = int(pre[j])
+        chosen = cols.candidate(c)
+        inp = PDInputs(target, chosen, req.num_tokens, expected, int(hc.tokens[c]))
         if cfg.pd_decider == "queue-aware":
             out = decide_queue_aware(
                 inp, cfg.pd_threshold, self.decode_model, self.prefill_model, self.tuning.token_budget
@@ -475,6 +505,11 @@ class Scheduler:
                 scorer.forget_pod(pod)
         for holder in [h for h in self._capacity if h[0] == pod]:
             del self._capacity[holder]
+
+
+def _loads(cols: Columns, idx: np.ndarray) -> np.ndarray:
+    """pd.endpoint_load of the endpoints at `idx`: in flight plus waiting."""
+    return np.maximum(0, cols.inflight[idx]) + np.maximum(0, cols.waiting[idx])
 
 
 __all__ = ["POLICIES", "RouterSettings", "Scheduler", "Tuning"]

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_ch
 from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteRequest
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from llmd.kv.index import KVIndex
+    from llmd.router.scheduling.columns import Columns, HitColumns
     from llmd.router.scheduling.pipeline import RouterSettings, Tuning
 
 # What a plugin may read besides the candidates, so the router gathers only what its plugins use:
@@ -54,8 +57,10 @@ NO_HITS = PrefixHits({}, 0)
 class ScoringContext:
     """One scheduling call's inputs shared by the scorers.
 
-    hits: the primary prefix source's hits (set by the pipeline; None: no prefix source). cold: no candidate holds
-    any prefix (set by the pipeline; None: unknown, treated as cold). memo: per-call caches keyed by scorer name.
+    hits: the primary prefix source's hits (set by the pipeline when a scorer without `score_columns` reads them;
+    None: not made). cold: no candidate holds any prefix (set by the pipeline; None: unknown, treated as cold).
+    memo: per-call caches keyed by scorer name. columns: the snapshot's columns and hit_cols the primary source's
+    hits aligned with them (set by the pipeline), for `score_columns`.
     """
 
     req: RouteRequest
@@ -64,6 +69,8 @@ class ScoringContext:
     hits: PrefixHits | None = None
     cold: bool | None = None
     memo: dict[str, Any] = field(default_factory=dict)
+    columns: Columns | None = None
+    hit_cols: HitColumns | None = None
 
 
 class Scorer(Protocol):
@@ -75,11 +82,23 @@ class Scorer(Protocol):
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]: ...
 
 
+@runtime_checkable
+class ColumnScorer(Protocol):
+    """A scorer that can also score the snapshot's columns at positions `idx` (ctx.columns, ctx.hit_cols set): the
+    same floats `score` gives those candidates, as an array, without building them. `score` is the reference."""
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray: ...
+
+
 class PrefixSource(Scorer, Protocol):
     """A scorer that can also say which holders cache a prefix of the request (memoised in `ctx.memo`): the pipeline
     reuses the policy's source for hit counts, cold detection, P2P and P/D."""
 
     def hits(self, ctx: ScoringContext) -> PrefixHits: ...
+
+    def hit_columns(self, ctx: ScoringContext) -> HitColumns:
+        """`hits` aligned with ctx.columns (memoised in `ctx.memo` too)."""
+        ...
 
 
 @runtime_checkable

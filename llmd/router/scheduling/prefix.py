@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from llmd.router.scheduling.approximate import ApproxPrefixCache
+from llmd.router.scheduling.columns import I64, HitColumns
 from llmd.router.scheduling.plugins import (
     PrefixHit,
     PrefixHits,
@@ -64,8 +67,29 @@ class _PrefixScorer:
     def _hits(self, ctx: ScoringContext) -> PrefixHits:
         raise NotImplementedError
 
+    def hit_columns(self, ctx: ScoringContext) -> HitColumns:
+        """`hits` aligned with ctx.columns, memoised likewise."""
+        key = self.name + "/columns"
+        memo: HitColumns | None = ctx.memo.get(key)
+        if memo is None:
+            memo = ctx.memo[key] = self._hit_columns(ctx)
+        return memo
+
+    def _hit_columns(self, ctx: ScoringContext) -> HitColumns:
+        assert ctx.columns is not None
+        hits = self.hits(ctx)
+        return HitColumns.of(hits.by_holder, ctx.columns.holders, hits.units)
+
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
         return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        """prefix_scores over the columns (a holder without a hit scores (0 * gpu_w + 0 * cpu_w) * scale = 0.0)."""
+        hc = self.hit_columns(ctx)
+        if not hc.units:
+            return np.zeros(len(idx))
+        scale = 1.0 / (hc.units * _tier_norm(self.gpu_w, self.cpu_w))
+        return np.minimum(1.0, (hc.gpu[idx] * self.gpu_w + hc.cpu[idx] * self.cpu_w) * scale)
 
 
 class PrecisePrefixScorer(_PrefixScorer):
@@ -118,6 +142,59 @@ class PrecisePrefixScorer(_PrefixScorer):
             for holder, s in spec.items():
                 by[holder] = PrefixHit(s, 0, min(cap, s * bs), 0)
         return PrefixHits(by, n)
+
+    def _hit_columns(self, ctx: ScoringContext) -> HitColumns:
+        """`_hits`, straight from the index's matches into arrays (no PrefixHit per holder)."""
+        cols = ctx.columns
+        assert cols is not None
+        slot = cols.slot_of()
+        if slot is None:
+            return super()._hit_columns(ctx)
+        req = ctx.req
+        hashes = req.block_hashes
+        n = len(hashes)
+        m = cols.n
+        held = np.zeros(m, I64)
+        gpu = np.zeros(m, I64)
+        has = np.zeros(m, bool)
+        if not n:
+            return HitColumns(0, has, gpu, held, gpu, held)
+        bs = req.block_size
+        cap = req.num_tokens if req.num_tokens > 0 else n * bs
+        matches = ctx.index.query(hashes) if ctx.index is not None else []
+        if matches:
+            holders, blocks_any, blocks_gpu, _ = zip(*matches, strict=True)
+            pos = list(map(slot.get, holders))
+            if None in pos:  # holders the snapshot does not list (down, excluded)
+                keep = [k for k, p in enumerate(pos) if p is not None]
+                pos = [pos[k] for k in keep]
+                blocks_any = tuple(blocks_any[k] for k in keep)
+                blocks_gpu = tuple(blocks_gpu[k] for k in keep)
+            at = np.array(pos, dtype=np.intp)
+            held[at] = blocks_any
+            gpu[at] = blocks_gpu
+            has[at] = True
+        if self.speculative is not None:
+            gpu_of = getattr(ctx.index, "gpu_blocks", None)
+            floor = gpu_of(hashes) if gpu_of is not None else None
+            if floor is None:
+                floor = {holder: g for holder, _, g, _ in matches}
+            spec = self.speculative.match(hashes, ctx.now, floor)
+            if spec:
+                # As `_hits` does holder by holder: a speculative prefix at least as long as the real one replaces
+                # it; a shorter one (still longer than the real GPU blocks) counts as the GPU share only.
+                at = np.array([slot.get(h, -1) for h in spec], dtype=np.intp)
+                s = np.fromiter(spec.values(), I64, len(spec))
+                listed = at >= 0
+                at, s = at[listed], s[listed]
+                longer = s >= held[at]
+                held[at[longer]] = s[longer]
+                gpu[at[longer]] = s[longer]
+                shorter = ~longer & (s != 0)
+                gpu[at[shorter]] = s[shorter]
+                has[at] = True
+        gpu_t = np.minimum(cap, gpu * bs)
+        return HitColumns(n, has, gpu, held - gpu, gpu_t, np.minimum(cap, held * bs) - gpu_t)
 
     def observe_routed(
         self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]

@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    from llmd.router.scheduling.columns import Columns
 
 Role = Literal["prefill", "decode", "both"]
 Hop = Literal["decode", "prefill"]
@@ -139,6 +142,35 @@ class Snapshot:
         object.__setattr__(snap, "candidates", tuple(candidates))
         return snap
 
+    @classmethod
+    def of_columns(cls, columns: Columns, taken_at: float = 0.0) -> Snapshot:
+        """A snapshot kept as columns (the router core's): `states` and `candidates` are built when first read, the
+        scheduler reads the columns."""
+        snap = object.__new__(cls)
+        object.__setattr__(snap, "taken_at", taken_at)
+        snap.__dict__["_columns"] = columns
+        return snap
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for a snapshot made `of_columns`, whose states and candidates are not built until asked for.
+        cols = self.__dict__.get("_columns")
+        if cols is None or name not in ("states", "candidates"):
+            raise AttributeError(name)
+        cands = tuple(cols.candidate(i) for i in range(cols.n))
+        object.__setattr__(self, "candidates", cands)
+        object.__setattr__(self, "states", MappingProxyType(dict(cands)))
+        return self.__dict__[name]
+
+    @property
+    def columns(self) -> Columns:
+        """The candidates' fields as arrays, aligned with `candidates` (what the scheduler's pipeline reads)."""
+        cols = self.__dict__.get("_columns")
+        if cols is None:
+            from llmd.router.scheduling.columns import Columns
+
+            cols = self.__dict__["_columns"] = Columns.of(self.candidates)
+        return cols
+
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(c.endpoint for c in self.candidates)
@@ -166,19 +198,17 @@ class EndpointScore:
 
 
 class ScoreTable(Mapping["Endpoint", EndpointScore]):
-    """A decision's `scores`, built when first read: the candidates, their totals and the weighted columns they were
-    summed from. Routing reads only the totals; a dict of parts per candidate per request would cost more than the
-    choice itself on a large fleet."""
+    """A decision's `scores`, built when first read: the candidates' endpoints, their totals and the weighted columns
+    they were summed from. Routing reads only the totals; a dict of parts per candidate per request would cost more
+    than the choice itself on a large fleet."""
 
-    __slots__ = ("_cands", "_columns", "_table", "_totals")
+    __slots__ = ("_columns", "_endpoints", "_idx", "_table", "_totals")
 
-    def __init__(
-        self,
-        cands: Sequence[Candidate],
-        totals: Sequence[float],
-        columns: Sequence[tuple[str, float, Sequence[float]]],
-    ) -> None:
-        self._cands = cands
+    def __init__(self, endpoints: Sequence[Endpoint], idx: Any, totals: Any, columns: Sequence[tuple[str, float, Any]]):
+        """`endpoints[idx[k]]` is the k-th candidate; `totals` and each column's scores are aligned with `idx`
+        (sequences or arrays of floats)."""
+        self._endpoints = endpoints
+        self._idx = idx
         self._totals = totals
         self._columns = columns
         self._table: dict[Endpoint, EndpointScore] | None = None
@@ -186,13 +216,13 @@ class ScoreTable(Mapping["Endpoint", EndpointScore]):
     def _built(self) -> dict[Endpoint, EndpointScore]:
         table = self._table
         if table is None:
-            parts: list[dict[str, float]] = [{} for _ in self._cands]
+            eps = [self._endpoints[i] for i in _floats_or_list(self._idx)]
+            parts: list[dict[str, float]] = [{} for _ in eps]
             for name, weight, scores in self._columns:
-                for p, sc in zip(parts, scores, strict=True):
+                for p, sc in zip(parts, _floats_or_list(scores), strict=True):
                     p[name] = weight * sc
-            table = self._table = {
-                c.endpoint: EndpointScore(t, p) for c, t, p in zip(self._cands, self._totals, parts, strict=True)
-            }
+            totals = _floats_or_list(self._totals)
+            table = self._table = {ep: EndpointScore(t, p) for ep, t, p in zip(eps, totals, parts, strict=True)}
         return table
 
     def __getitem__(self, endpoint: Endpoint) -> EndpointScore:
@@ -202,10 +232,15 @@ class ScoreTable(Mapping["Endpoint", EndpointScore]):
         return iter(self._built())
 
     def __len__(self) -> int:
-        return len(self._cands)
+        return len(self._idx)
 
     def __repr__(self) -> str:
         return repr(self._built())
+
+
+def _floats_or_list(xs: Any) -> list[Any]:
+    """An array's values as Python numbers (the same floats), a list as it is."""
+    return xs.tolist() if hasattr(xs, "tolist") else list(xs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,162 @@
+"""The router core's routable endpoints as columns (scheduling.columns), kept current between decisions.
+
+The ledger's columns change only where a request is taken or given back, so they are updated from the loads the
+ledger touched since the last decision, not re-read for every endpoint. The engines' gauges are written by the driver
+without telling anyone, so they are read in bulk per decision. What the request being routed shares with the KV in
+flight at an endpoint (inflight_kv_tokens) is worked out only where it can decide a fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+
+import numpy as np
+
+from llmd.router.ledger import Ledger, Load
+from llmd.router.pods import RankState
+from llmd.router.scheduling.columns import I64, Columns, kv_need, role_masks
+from llmd.router.scheduling.state import Endpoint, EndpointState, Holder
+
+# The gauges the pipeline reads for every endpoint of a hop, read per decision; `running` and `cpu_capacity_blocks`
+# are read only for the endpoints whose states a decision builds (its target, its prefill endpoint).
+_WAITING = attrgetter("waiting")
+_KV_USAGE = attrgetter("kv_usage")
+_KV_CAPACITY = attrgetter("kv_capacity_blocks")
+
+
+class Fleet:
+    """Every rank of every routable pod, in Snapshot's order, with the ledger's columns for them."""
+
+    def __init__(self, slots: Sequence[tuple[Endpoint, RankState]], ledger: Ledger) -> None:
+        self.endpoints = [ep for ep, _ in slots]
+        self.ranks = [rs for _, rs in slots]
+        self.loads: list[Load] = [ledger.load(ep.holder) for ep in self.endpoints]
+        self._at = {id(ld): i for i, ld in enumerate(self.loads)}
+        self.roles = role_masks(self.endpoints)
+        self.slot = {ep.holder: i for i, ep in enumerate(self.endpoints)}
+        n = len(self.endpoints)
+        self.inflight = np.zeros(n, I64)
+        self.inflight_tokens = np.zeros(n, I64)
+        self.kv_tokens = np.zeros(n, I64)
+        for i in range(n):
+            self._read(i)
+        self._ledger = ledger
+        ledger.touched.clear()
+
+    def _read(self, i: int) -> None:
+        ld = self.loads[i]
+        self.inflight[i] = ld.inflight
+        self.inflight_tokens[i] = ld.inflight_tokens
+        self.kv_tokens[i] = ld.kv.tokens
+
+    def columns(
+        self,
+        excluded: set[str],
+        hashes: Sequence[int],
+        unit: int,
+        cached: dict[Holder, int] | None,
+    ) -> RequestColumns:
+        """This moment's columns for one request (`hashes`, `unit`: its InflightKV key; `cached`: as
+        RouterCore.snapshot's), without the endpoints of the `excluded` pods."""
+        touched = self._ledger.touched
+        if touched:
+            at = self._at
+            for i in {at.get(id(ld)) for ld in touched}:
+                if i is not None:
+                    self._read(i)
+            touched.clear()
+        sel = None
+        if excluded:
+            sel = np.array([i for i, ep in enumerate(self.endpoints) if ep.pod not in excluded], dtype=np.intp)
+        return RequestColumns(self, sel, hashes, unit, cached)
+
+
+class RequestColumns(Columns):
+    """The fleet's columns at one moment, for one request: the gauges as read now, the ledger's columns as they are
+    now, and inflight_kv_tokens less what the request shares with the KV in flight there (RouterCore.snapshot)."""
+
+    def __init__(
+        self, fleet: Fleet, sel: np.ndarray | None, hashes: Sequence[int], unit: int, cached: dict[Holder, int] | None
+    ) -> None:
+        if sel is None:
+            endpoints, ranks, loads = fleet.endpoints, fleet.ranks, fleet.loads
+            roles, slot = fleet.roles, fleet.slot
+            inflight, inflight_tokens, kv = fleet.inflight.copy(), fleet.inflight_tokens.copy(), fleet.kv_tokens.copy()
+        else:
+            take = sel.tolist()
+            endpoints = [fleet.endpoints[i] for i in take]
+            ranks = [fleet.ranks[i] for i in take]
+            loads = [fleet.loads[i] for i in take]
+            roles, slot = {hop: m[sel] for hop, m in fleet.roles.items()}, None
+            inflight, inflight_tokens, kv = fleet.inflight[sel], fleet.inflight_tokens[sel], fleet.kv_tokens[sel]
+        n = len(endpoints)
+        super().__init__(
+            endpoints,
+            healthy=np.ones(n, dtype=bool),
+            waiting=np.fromiter(map(_WAITING, ranks), I64, n),
+            kv_usage=np.fromiter(map(_KV_USAGE, ranks), np.float64, n),
+            inflight=inflight,
+            inflight_tokens=inflight_tokens,
+            kv_capacity_blocks=np.fromiter(map(_KV_CAPACITY, ranks), I64, n),
+            roles=roles,
+            slot=slot,
+        )
+        self._ranks = ranks
+        self.kv_tokens = kv  # KV in flight, before what this request shares
+        self._loads = loads
+        self._hashes = hashes
+        self._unit = unit
+        self._cached = cached
+        self._exact: dict[int, int] = {}
+        self._states: dict[int, EndpointState] = {}
+
+    def inflight_kv(self, i: int) -> int:
+        """inflight_kv_tokens at position i: the KV in flight there less this request's units held there, as far
+        as the engine has them cached (InflightKV.shared_tokens)."""
+        got = self._exact.get(i)
+        if got is None:
+            got = int(self.kv_tokens[i])
+            unit = self._unit
+            if unit and got:
+                cached = self._cached
+                n = len(self._hashes)
+                upto = n if cached is None else cached.get(self.endpoints[i].holder, 0)
+                if upto:
+                    got -= self._loads[i].kv.held_prefix(self._hashes, 0, min(upto, n)) * unit
+            self._exact[i] = got
+        return got
+
+    def _inflight_kv(self, idx: np.ndarray) -> np.ndarray:
+        return np.array([self.inflight_kv(i) for i in idx.tolist()], dtype=I64)
+
+    def kv_fits(self, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
+        """Columns.kv_fits, working out what the request shares only where the KV in flight without it does not
+        fit (sharing only lowers it)."""
+        cap = self.kv_capacity_blocks[idx]
+        limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
+        ok = (cap <= 0) | (self.inflight[idx] <= 0) | (self.kv_tokens[idx] <= limit)
+        if self._unit and not ok.all():
+            doubt = np.flatnonzero(~ok)
+            at = idx[doubt]
+            ok[doubt] = self._inflight_kv(at) <= limit[doubt]
+        return ok
+
+    def state(self, i: int) -> EndpointState:
+        """Endpoint i's state; `running` and `cpu_capacity_blocks` as its engine reports them now (within a decision
+        nothing changes them)."""
+        got = self._states.get(i)
+        if got is None:
+            rank = self._ranks[i]
+            got = self._states[i] = EndpointState(
+                healthy=True,
+                waiting=int(self.waiting[i]),
+                running=rank.running,
+                kv_usage=float(self.kv_usage[i]),
+                inflight=int(self.inflight[i]),
+                inflight_tokens=int(self.inflight_tokens[i]),
+                inflight_kv_tokens=self.inflight_kv(i),
+                kv_capacity_blocks=int(self.kv_capacity_blocks[i]),
+                cpu_capacity_blocks=rank.cpu_capacity_blocks,
+            )
+        return got

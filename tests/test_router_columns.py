@@ -1,0 +1,213 @@
+"""The router's array paths against their references, on random inputs: every scorer's `score_columns` against its
+list `score` (bit for bit), the array picker and P2P choice against the list ones, the core's incremental columns
+(llmd/router/fleet.py) against the snapshot's definition after random ledger and gauge changes, and InflightKV's
+C-speed counting against a plain per-unit count."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from llmd.discovery import PodInfo
+from llmd.kv.index import KVIndex
+from llmd.router.core import Job, RouterCore
+from llmd.router.pods import Pod
+from llmd.router.scheduling import Endpoint, EndpointState, RouteRequest, Scheduler, Snapshot, Tuning
+from llmd.router.scheduling.filters import kv_fits
+from llmd.router.scheduling.kv_demand import InflightKV
+from llmd.router.scheduling.pd import decide_p2p, decide_p2p_columns
+from llmd.router.scheduling.picker import pick_max, pick_max_array
+from llmd.router.scheduling.plugins import SCORERS, ScorerSetup, ScoringContext
+from llmd.router.scheduling.speculative import SpeculativeIndex
+from llmd.spec import RouterSpec
+
+
+def _snapshot(rng: random.Random, n: int) -> Snapshot:
+    pairs = []
+    for i in range(n):
+        ep = Endpoint(f"p{i // 4}", i % 4, rng.choice(("decode", "prefill", "both")), ranks=4)
+        st = EndpointState(
+            healthy=rng.random() < 0.9,
+            waiting=rng.choice((0, 0, 1, 3, 20, 200)),
+            running=rng.randrange(64),
+            kv_usage=rng.choice((0.0, 1.0, 1.5, -0.1, rng.random())),
+            inflight=rng.randrange(5),
+            inflight_tokens=rng.choice((0, rng.randrange(1 << 23))),
+            inflight_kv_tokens=rng.randrange(100_000),
+            kv_capacity_blocks=rng.choice((0, 500, 2000)),
+        )
+        pairs.append((ep, st))
+    return Snapshot.of(pairs)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_scorer_scores_its_columns_as_its_list(seed: int) -> None:
+    rng = random.Random(seed)
+    snap = _snapshot(rng, rng.randrange(1, 40))
+    index = KVIndex()
+    chain = [rng.getrandbits(64) for _ in range(50)]
+    for ep in snap.endpoints:
+        if rng.random() < 0.6:
+            index.store(ep.holder, chain[: rng.randrange(1, 51)], rng.choice(("GPU", "CPU")), None)
+    setup = ScorerSetup(RouterSpec(), Tuning(), 1.0, 0.8)
+    req = RouteRequest("r", chain, rng.randrange(1, 4000), 64, "s", text_chunk_hashes=chain[:20])
+    cols = snap.columns
+    idx = np.array(sorted(rng.sample(range(cols.n), rng.randrange(1, cols.n + 1))), dtype=np.intp)
+    cands = [snap.candidates[i] for i in idx]
+    for name, plugin in SCORERS.items():
+        scorer = plugin.factory(setup)
+        if name == "prefix":
+            spec = SpeculativeIndex(2.0)
+            spec.insert(snap.endpoints[0].holder, chain[:30], 0.0)
+            scorer.speculative = spec  # type: ignore[attr-defined]
+        if name == "no-hit-lru":
+            for ep in rng.sample(snap.endpoints, min(3, cols.n)):
+                scorer.record_cold(ep.holder)  # type: ignore[attr-defined]
+        for cold in (None, True, False):
+            a = ScoringContext(req, 0.5, index, cold=cold)
+            a.hits = SCORERS["prefix"].factory(setup).hits(a)  # type: ignore[attr-defined]
+            b = ScoringContext(req, 0.5, index, cold=cold, columns=cols)
+            b.hit_cols = SCORERS["prefix"].factory(setup).hit_columns(b)  # type: ignore[attr-defined]
+            want = scorer.score(a, cands)
+            got = scorer.score_columns(b, idx).tolist()  # type: ignore[attr-defined]
+            assert [x.hex() for x in got] == [float(x).hex() for x in want], name
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_array_picker_and_p2p_choose_as_the_list_ones(seed: int) -> None:
+    rng = random.Random(seed)
+    snap = _snapshot(rng, rng.randrange(2, 30))
+    cols = snap.columns
+    totals = [rng.choice((0.5, 1.0, 0.25, rng.random())) for _ in range(cols.n)]
+    r1, r2 = random.Random(seed), random.Random(seed)
+    assert pick_max(totals, r1) == pick_max_array(np.array(totals), r2)
+    assert r1.random() == r2.random()  # the same draws
+    idx = np.arange(cols.n)
+    tokens = [rng.randrange(0, 3000) for _ in range(cols.n)]
+    holder = rng.randrange(cols.n)
+    target = rng.randrange(cols.n)
+    kw = dict(min_tokens=16, max_inflight=3, max_waiting=16, load_ratio=0.5)
+    want = decide_p2p(target, list(snap.candidates), totals, tokens, snap.candidates[holder], 3000, **kw)
+    got = decide_p2p_columns(target, cols, idx, np.array(totals), np.array(tokens), holder, 3000, **kw)
+    assert want == got
+    need = rng.randrange(0, 200_000)
+    assert cols.kv_fits(idx, need, 64).tolist() == [kv_fits(c.state, need, 64) for c in snap.candidates]
+
+
+def _core(rng: random.Random) -> tuple[RouterCore, list[Pod]]:
+    sched = Scheduler(RouterSpec(max_inflight_per_pod=4), 0)
+    core = RouterCore(sched, KVIndex(), max_inflight=4, queue_limit=1000)
+    pods = []
+    for role, n, dp in (("prefill", 2, 4), ("decode", 3, 8)):
+        for k in range(n):
+            pod = Pod(PodInfo(f"{role}-{k}", role, f"http://{role}-{k}:8000", dp), healthy=True)
+            for st in pod.ranks:
+                st.kv_capacity_blocks = rng.choice((0, 60, 400))
+            pods.append(pod)
+            core.pod_up(pod)
+    return core, pods
+
+
+def _naive(core: RouterCore, excluded: set[str], hashes: list[int], unit: int, cached: dict) -> dict:
+    out = {}
+    for name in sorted(core._pods):
+        if name in excluded:
+            continue
+        for r, st in enumerate(core._pods[name].ranks):
+            ld = core.ledger.load((name, r))
+            upto = cached.get((name, r), 0)
+            shared = ld.kv.shared_tokens(hashes[:upto], unit) if unit and upto else 0
+            out[(name, r)] = EndpointState(True, st.waiting, st.running, st.kv_usage, ld.inflight,
+                                           ld.inflight_tokens, ld.kv.tokens - shared, st.kv_capacity_blocks,
+                                           st.cpu_capacity_blocks)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_columns_are_the_snapshot_definition(seed: int) -> None:
+    rng = random.Random(seed)
+    core, pods = _core(rng)
+    system = [rng.getrandbits(64) for _ in range(8)]
+    chains: list[list[int]] = []
+    flights = []
+    for step in range(300):
+        r = rng.random()
+        if r < 0.15 and flights:
+            core.complete(flights.pop(rng.randrange(len(flights))), float(step))
+        elif r < 0.25:
+            for st in rng.choice(pods).ranks:
+                st.waiting, st.running, st.kv_usage = rng.randrange(30), rng.randrange(64), rng.random()
+                st.cpu_capacity_blocks = rng.choice((0, 900))
+        elif r < 0.28:
+            pod = rng.choice(pods)
+            core.pod_down(pod.name)
+            core.pod_up(pod)
+        else:
+            chain = (rng.choice(chains)[: rng.randrange(1, 30)] if chains and rng.random() < 0.5 else system) + [
+                rng.getrandbits(64) for _ in range(rng.randrange(1, 20))
+            ]
+            chains.append(chain)
+            req = RouteRequest(f"q{step}", chain, len(chain) * 16 + 5, 16, f"s{step % 7}", max_tokens=100)
+            for holder, got in core.index.holders_of(chain[0]).items():
+                del got
+                core.index.store(holder, chain[: rng.randrange(1, len(chain) + 1)])
+            excluded = set(rng.sample([p.name for p in pods], 1)) if rng.random() < 0.2 else set()
+            cached = {m.holder: m.blocks_gpu for m in core.index.query(chain)}
+            snap = core.snapshot(excluded, (chain, 16, 0), cached, float(step))
+            want = _naive(core, excluded, chain, 16, cached)
+            assert {ep.holder: st for ep, st in snap.states.items()} == want
+            cols = snap.columns
+            need = rng.randrange(0, 3000)
+            assert cols.kv_fits(np.arange(cols.n), need, 16).tolist() == [
+                kv_fits(want[ep.holder], need, 16) for ep in cols.endpoints
+            ]
+            job = Job(req, req.session_id or "")
+            for j in core.submit(job, float(step)):
+                if j.flight is not None:
+                    flights.append(j.flight)
+                    core.index.store(j.flight.decision.target.holder, chain)
+
+
+def _reference(ops: list[tuple[str, list[int], int, int]]) -> int:
+    refs: Counter[int] = Counter()
+    tokens_of: dict[int, int] = {}
+    shared = extra = 0
+    for op, hashes, unit, ex in ops:
+        for h in hashes:
+            if op == "add":
+                if h not in refs:
+                    shared += unit
+                    tokens_of[h] = unit
+                refs[h] += 1
+            elif h in refs:
+                refs[h] -= 1
+                if not refs[h]:
+                    del refs[h]
+                    shared = max(0, shared - tokens_of.pop(h))
+        extra = extra + ex if op == "add" else max(0, extra - ex)
+    return shared + extra
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_inflight_kv_counts_as_a_plain_per_unit_count(seed: int) -> None:
+    rng = random.Random(seed)
+    kv = InflightKV()
+    pool = [rng.getrandbits(64) for _ in range(60)]
+    live: list[tuple[list[int], int, int]] = []
+    ops: list[tuple[str, list[int], int, int]] = []
+    units = (16,) if seed % 2 else (16, 16, 16, 9)  # odd seeds: block hashes; even: chunks whose unit changes
+    for _ in range(200):
+        if live and rng.random() < 0.45:
+            args = live.pop(rng.randrange(len(live)))
+            kv.remove(*args)
+            ops.append(("remove", *args))
+        else:
+            hashes = pool[: rng.randrange(0, 40)] + rng.sample(pool, rng.randrange(0, 3))  # maybe a repeat
+            args = (hashes, rng.choice(units), rng.randrange(0, 100))
+            kv.add(*args)
+            live.append(args)
+            ops.append(("add", *args))
+        assert kv.tokens == _reference(ops)
