@@ -54,8 +54,8 @@ def where(url: str) -> str:
 
 def foreign_message(url: str, answered: str, name: str = "component") -> str:
     return (
-        f"something else is listening on {where(url)} (it answered /health without this run's id): {answered}; it is "
-        f"not this run's {name}, so nothing is sent there"
+        f"something else is listening on {where(url)} (its /health did not answer with this run's id): {answered}; "
+        f"it is not this run's {name}, so nothing is sent there"
     )
 
 
@@ -98,7 +98,7 @@ def _get(url: str, timeout_s: float) -> tuple[int, Any, bytes]:
         return exc.code, exc.headers, exc.read(65536) if exc.fp is not None else b""
 
 
-def identify(url: str, run_id: str | None, timeout_s: float = 2.0) -> Answer:
+def identify(url: str, run_id: str | None, timeout_s: float = 2.0, name: str = "component") -> Answer:
     """Ask the server at base `url` whether it belongs to run `run_id` (None: any healthy server will do).
     Connection errors are "not yet" (ok False, foreign False)."""
     base = url.rstrip("/")
@@ -109,7 +109,7 @@ def identify(url: str, run_id: str | None, timeout_s: float = 2.0) -> Answer:
     got = answers_for(status, headers.get(HEADER) if headers is not None else None, body, run_id)
     if got is not None:
         if got.foreign:
-            return Answer(False, True, foreign_message(url, got.reason))
+            return Answer(False, True, foreign_message(url, got.reason, name))
         return got
     assert run_id is not None
     try:
@@ -119,4 +119,4 @@ def identify(url: str, run_id: str | None, timeout_s: float = 2.0) -> Answer:
         models = None
     if models_vouch(models, run_id):
         return Answer(True)
-    return Answer(False, True, foreign_message(url, describe(status, headers, body)))
+    return Answer(False, True, foreign_message(url, describe(status, headers, body), name))

@@ -68,7 +68,7 @@ def wait_healthy(
         for proc in group:
             if proc.poll() is not None:
                 raise EngineStartError(f"{name} exited with code {proc.returncode} before it was healthy{where()}")
-        answer = identify(base, run_id)
+        answer = identify(base, run_id, name=name)
         if answer.ok:
             return
         if answer.foreign:

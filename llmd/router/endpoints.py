@@ -226,6 +226,8 @@ class EndpointRegistry:
                 if answer is not None and not answer.ok:
                     foreign = runid.foreign_message(pod.info.url, answer.reason, f"engine {pod.name}")
                     reason = foreign if answer.foreign else answer.reason
+                    if answer.foreign and not pod.healthy and pod.failures == 0:
+                        log.warning("pod %s stays out of routing: %s", pod.name, reason)  # once, not every round
         except TimeoutError:
             reason, slow = f"/health did not answer within {self.health_timeout_s} s", True
         except (aiohttp.ClientError, OSError) as exc:

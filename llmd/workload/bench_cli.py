@@ -141,7 +141,7 @@ def check_run(url: str, run_id: str) -> None:
     """UserError naming the port and what answered when the server at `url` is not run `run_id`'s."""
     from llmd.runid import identify
 
-    answer = identify(url, run_id)
+    answer = identify(url, run_id, name="router")
     if answer.foreign:
         raise UserError(answer.reason)
     if not answer.ok:
