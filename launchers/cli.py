@@ -109,7 +109,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(render_submitit(plan), end="")
         return 0
     create_run_dir(run_dir, spec)
-    base = {"run_dir": str(run_dir), "name": spec.name, "spec": str(plan.spec_path), "created_at": time.time()}
+    base = {
+        "run_dir": str(run_dir),
+        "name": spec.name,
+        "spec": str(plan.spec_path),
+        "created_at": time.time(),
+        "run_id": plan.run_id,  # what every component of the run answers /health with (llmd.runid)
+    }
     if args.render_sbatch:
         script = render_plain(plan)
         (run_dir / "job.sbatch").write_text(script)

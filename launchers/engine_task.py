@@ -1,7 +1,9 @@
 """One engine component task per node (under `srun --het-group=K --ntasks-per-node=1`), without MPI: the node's
-index picks its replica, the replica's head node starts `llmd engine sim` on the layout's ports, waits for /health,
-appends its discovery entry, and exits with the engine's code when the engine ends (so the step, and then the job,
-fail with it). Other nodes of a multi-node replica hold their place until the job ends.
+index picks its replica, the replica's head node starts `llmd engine sim` on the layout's ports (a taken one, or
+`port: auto`, becomes a free one the engine reports in its --ports-file), waits for /health with this run's id
+(llmd.runid), appends its discovery entry with the ports really bound, and exits with the engine's code when the
+engine ends (so the step, and then the job, fail with it). Other nodes of a multi-node replica hold their place
+until the job ends.
 
 The MPI path (`python -m llmd.fabric`, with the NIXL preflight and vLLM) replaces this when available.
 """
@@ -9,6 +11,7 @@ The MPI path (`python -m llmd.fabric`, with the NIXL preflight and vLLM) replace
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -16,8 +19,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from llmd.discovery import FILE_NAME, entry_for, publish
+from llmd import runid
+from llmd.discovery import FILE_NAME, entry_for, publish, with_bound_ports
 from llmd.engines.kinds import engine_kind
 from llmd.engines.sim_kind import sim_argv
 from llmd.engines.vllm_server import EngineStartError, stop_process_group, wait_healthy
@@ -35,6 +40,20 @@ def node_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def wait_ports_file(path: Path, proc: subprocess.Popen, timeout_s: float, name: str) -> dict[str, Any]:
+    """The ports a simulated engine bound, once it has written them (whole: it renames the file into place)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return dict(json.loads(path.read_text()))
+        except (FileNotFoundError, ValueError):
+            pass
+        if proc.poll() is not None:
+            raise EngineStartError(f"{name} exited with code {proc.returncode} before it listened")
+        time.sleep(0.1)
+    raise EngineStartError(f"{name} did not listen within {timeout_s:.0f} s")
 
 
 def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
@@ -65,13 +84,20 @@ def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
     cmd = sim_argv(str(spec_path), ep, ep.host, node, True, sys.executable)
     cmd[1:1] = ["-u"]
     cmd += ["--metrics-out", str(engine_metrics_path(run_dir, ep.name))]
+    (run_dir / "engines").mkdir(exist_ok=True)
+    # The engine binds first (a taken layout port moves to a free one) and writes what it bound; that is published.
+    ports_file = run_dir / "engines" / f"{ep.name}.ports.json"
+    ports_file.unlink(missing_ok=True)
+    cmd += ["--ports-file", str(ports_file)]
+    run_id = runid.from_env()
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        wait_healthy(f"{ep.url}/health", proc, spec.engine.startup_timeout_s, name=ep.name)
-        (run_dir / "engines").mkdir(exist_ok=True)
+        bound = wait_ports_file(ports_file, proc, spec.engine.startup_timeout_s, ep.name)
+        entry = with_bound_ports(entry_for(ep), bound)
+        wait_healthy(f"{entry.url}/health", proc, spec.engine.startup_timeout_s, name=ep.name, run_id=run_id)
         (run_dir / "engines" / f"{ep.name}.pid").write_text(f"{proc.pid}\n")
-        publish(run_dir / FILE_NAME, [entry_for(ep)])
-        print(f"{ep.name}: healthy, listed in {run_dir / FILE_NAME}", flush=True)
+        publish(run_dir / FILE_NAME, [entry])
+        print(f"{ep.name}: healthy at {entry.url}, listed in {run_dir / FILE_NAME}", flush=True)
         while proc.poll() is None and not stop["sig"]:
             time.sleep(0.5)
     except EngineStartError as exc:

@@ -14,6 +14,7 @@ each engine group as an srun step on its nodes, and then runs this same main job
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from typing import Any
 
 from launchers.plan import ENGINE_STARTERS, plan_job
 from launchers.runstate import is_final, read_state, update_state
+from llmd import runid
 from llmd.discovery import FILE_NAME, read_discovery
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.errors import UserError
@@ -137,23 +139,45 @@ def _wait_for_engines(run_dir: Path, names: set[str], timeout_s: float, stop: di
     raise RunFailed(f"engines {', '.join(missing)} not ready after {timeout_s:.0f} s; see {run_dir / 'logs'}")
 
 
-def _start_router(spec_path: Path, run_dir: Path, port: int, metrics_out: Path) -> subprocess.Popen:
+def _router_url(port_file: Path, proc: subprocess.Popen, timeout_s: float, log: Path) -> str:
+    """The URL the router bound and wrote to `port_file` (the spec's port, or a free one when that was taken)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return str(json.loads(port_file.read_text())["url"])
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        if proc.poll() is not None:
+            raise EngineStartError(f"router exited with code {proc.returncode} before it listened; log {log}:\n"
+                                   f"{log_tail(log)}")  # fmt: skip
+        time.sleep(0.1)
+    raise EngineStartError(f"router did not listen within {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")
+
+
+def _start_router(spec_path: Path, run_dir: Path, metrics_out: Path, run_id: str) -> tuple[subprocess.Popen, str]:
+    """The router, started on this node and proven to be this run's: (process, the URL it published)."""
     log = run_dir / "logs" / "router.log"
+    port_file = metrics_out.parent / "router-port.json"
+    port_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-u", "-m", "llmd.cli", "router", "--spec", str(spec_path)]
-    cmd += ["--discovery", str(run_dir / FILE_NAME), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--discovery", str(run_dir / FILE_NAME), "--host", "127.0.0.1", "--port-file", str(port_file)]
     cmd += ["--metrics-out", str(metrics_out)]
+    env = {**os.environ, runid.ENV: run_id}
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 120, log, name="router")
+        url = _router_url(port_file, proc, 120, log)
+        wait_healthy(f"{url}/health", proc, 120, log, name="router", run_id=run_id)
     except EngineStartError as exc:
         stop_process_group(proc, grace_s=5)
         raise RunFailed(str(exc)) from None
-    return proc
+    return proc, url
 
 
 def run_main(spec_path: Path, run_dir: Path) -> int:
     spec = load_spec(spec_path)
+    # Made by the launcher and exported by the batch script to every component; a main job started by hand makes one.
+    run_id = runid.from_env() or runid.new_run_id()
     attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     job_id = os.environ.get("SLURM_JOB_ID") or None
     nodes = {}
@@ -164,6 +188,7 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
     remaining = spec.workload.duration_s - done_s
     update_state(
         run_dir, state="RUNNING", phase="starting engines", attempt=attempt, nodes=nodes, cause=None, job_id=job_id,
+        run_id=run_id,
         logs={"main": str(run_dir / "logs" / "main.log"), "router": str(run_dir / "logs" / "router.log"),
               "engines": str(run_dir / "logs" / "{prefill,decode}-*.log")},
     )  # fmt: skip
@@ -179,18 +204,19 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
         names = {ep.name for ep in engine_endpoints(spec)}
         _wait_for_engines(run_dir, names, spec.engine.startup_timeout_s + 30, stop)
         update_state(run_dir, phase="starting router")
-        port = spec.router.port
         part = run_dir / "parts" / f"attempt-{attempt}"
         while part.exists():  # an attempt re-run under the same restart count: never overwrite its rows
             part = part.with_name(part.name + "b")
         part.mkdir(parents=True)
-        router = _start_router(spec_path, run_dir, port, part / "router.h5")
+        router, url = _start_router(spec_path, run_dir, part / "router.h5", run_id)
+        # What the router bound, not the spec's number: `llmd status` and anyone sending load read it here.
+        update_state(run_dir, router={"url": url})
         if remaining <= 0:
             update_state(run_dir, phase="benchmark already complete in earlier attempts")
         else:
             bench_log = run_dir / "logs" / f"bench-{attempt}.log"
             cmd = [sys.executable, "-u", "-m", "llmd.cli", "bench", "--spec", str(spec_path)]
-            cmd += ["--url", f"http://127.0.0.1:{port}", "--output", str(part.parent), "--run", part.name]
+            cmd += ["--url", url, "--run-id", run_id, "--output", str(part.parent), "--run", part.name]
             cmd += ["--duration", f"{remaining:g}", "--no-progress"]
             update_state(run_dir, phase="benchmark", logs={"bench": str(bench_log)})
             with open(bench_log, "ab") as fh:
@@ -333,6 +359,8 @@ def run_allocation(spec_path: Path, run_dir: Path, starter: str = "basic", hosts
         raise ValueError(f"unknown engine starter {starter!r}")
     spec = load_spec(spec_path)
     plan = plan_job(spec, run_dir, Path.cwd(), gpus=False, starter=starter)
+    # As the het job's batch script exports it: the engine steps and run_main below inherit this run's id.
+    os.environ[runid.ENV] = runid.from_env() or plan.run_id
     try:
         groups = split_nodes(spec, hosts if hosts is not None else allocation_nodes())
     except RunFailed as exc:

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmd import runid
 from llmd.errors import UserError
 from llmd.spec import DeploymentSpec
 from llmd.spec.values import constraint_expression, control_character, printable, split_sbatch_option
@@ -71,6 +72,8 @@ class JobPlan:
     python: str = sys.executable
     source: Path = SOURCE
     extra: list[str] = field(default_factory=list)  # the spec's extra_sbatch, on every component
+    # This run's id (llmd.runid), exported to every component: /health answers with it, clients check it.
+    run_id: str = field(default_factory=runid.new_run_id)
 
     @property
     def engines(self) -> list[Component]:
@@ -152,6 +155,7 @@ class JobPlan:
         run = shlex.quote(str(self.run_dir))
         lines = [
             f"export LLMD_RUN_DIR={run}",
+            f"export {runid.ENV}={shlex.quote(self.run_id)}",
             pythonpath_line(self.source),
             f"mkdir -p {run}/logs {run}/exit",
             # A requeued attempt starts from fresh engines: forget the last attempt's endpoints and exits.

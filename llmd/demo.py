@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmd import runid
 from llmd.engines.kinds import ENGINE_KINDS, engine_kind
 from llmd.errors import UserError
 
@@ -141,8 +142,9 @@ def _model_dir(spec: Any, from_file: bool) -> Path:
     return model_dir
 
 
-def _engine_configs(spec: Any, model_dir: Path) -> list[Any]:
-    """One SimServerConfig per replica of every pool, on free ports (the layout's names and roles)."""
+def _engine_configs(spec: Any, model_dir: Path, run: str | None = None) -> list[Any]:
+    """One SimServerConfig per replica of every pool, on free ports (the layout's names and roles), answering /health
+    with the run id `run` (llmd.runid)."""
     from llmd.engines.sim.server_config import SimServerConfig
     from llmd.spec.layout import engine_endpoints
 
@@ -159,29 +161,27 @@ def _engine_configs(spec: Any, model_dir: Path) -> list[Any]:
                 kv_events_endpoint="tcp://*:0",
                 kv_events_replay_endpoint="tcp://*:0",
                 side_channel_port=0,
+                run_id=run,
             )
         )
     return configs
 
 
 def _pod_of(server: Any) -> Any:
-    """The discovery entry for a started sim server (its actual ports)."""
-    from llmd.discovery import PodInfo
+    """The discovery entry for a started sim server: every DP rank's ports as bound (each rank's are free ports of
+    their own, not rank 0's + rank)."""
+    from llmd.discovery import PodInfo, with_bound_ports
 
     c = server.config
-    pub = server.publishers[0] if server.publishers else None
-    side = server.side_channels[0].port if server.side_channels else None
-    return PodInfo(
+    entry = PodInfo(
         name=c.name,
         role=c.role,
         url=server.url,
         dp_size=c.dp_size,
-        kv_events_endpoint=pub.endpoint if pub else None,
-        kv_events_replay_endpoint=getattr(pub, "replay_endpoint", None) if pub else None,
         side_channel_host="127.0.0.1",
-        side_channel_port=side,
         engine_id=server.engine_id,
     )
+    return with_bound_ports(entry, server.bound_ports())
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -250,15 +250,22 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
     stop = asyncio.Event()
     run.out_dir.mkdir(parents=True, exist_ok=True)
     vllm = not engine_kind(spec.engine.kind).simulated
+    # Every component of this policy's run answers with this id; the router routes only to engines that prove it,
+    # and the load starts only once the router at router.url has proven it too.
+    ident = runid.new_run_id()
     if vllm:  # real vLLM CPU servers (llmd.engines.vllm_deploy); their own series are their /metrics
         from llmd.engines.vllm_deploy import VllmDeployment
 
-        engines: Any = VllmDeployment(spec, run.out_dir / "engines")
+        engines: Any = VllmDeployment(spec, run.out_dir / "engines", run_id=ident)
     else:
-        engines = SimEngineGroup(_engine_configs(spec, model_dir))
+        engines = SimEngineGroup(_engine_configs(spec, model_dir, ident))
     async with engines as group, contextlib.nullcontext() if vllm else _engine_series(group, parts, meta):
-        async with Router(rcfg, group.pods if vllm else [_pod_of(s) for s in group.servers]) as router:
+        pods = group.pods if vllm else [_pod_of(s) for s in group.servers]
+        async with Router(rcfg, pods, run_id=ident) as router:
             await _until_ready(router, len(group))
+            answer = await asyncio.to_thread(runid.identify, router.url, ident)
+            if not answer.ok:
+                raise UserError(answer.reason or f"the demo's router at {router.url} is not healthy")
             before = await _engine_counters(group.urls)  # the run's counts exclude start-up's warm-up requests
             cfg = LoadConfig(
                 url=router.url,

@@ -12,6 +12,9 @@ the engine binds and the router connects to the pod's host; an explicit host is 
 unless the entry says `"kv_events_bind": true` (vLLM given an explicit host connects, so the router must bind there).
 `engine_id` is the NixlConnector engine id (vLLM appends `_dp<rank>` when a server runs several DP ranks); without it
 the router learns a pod's id from its own prefill responses, and cannot ask a pod for a P2P pull before that.
+`kv_events_endpoints`, `kv_events_replay_endpoints` and `side_channel_ports` list every DP rank's own, as bound, when
+they are not rank 0's + rank (an engine on `port: auto`, or one whose layout port was taken and moved to a free one);
+every port in an entry is one the engine had bound before the entry was written.
 `node`, `rank_hosts`, `replica` and `dp_rank` are for people reading the file; routing does not use them.
 
 Writers on several nodes share the file on a shared filesystem: each holds an exclusive flock on one side file
@@ -26,7 +29,7 @@ import fcntl
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,6 +55,10 @@ class PodInfo:
     side_channel_host: str | None = None
     side_channel_port: int | None = None  # rank 0's; rank r answers on port + r
     engine_id: str | None = None  # the server's NixlConnector engine id (rank 0's base)
+    # Per DP rank, as bound: set when an engine's ports are not the base + rank (`port: auto`, or a taken port moved).
+    kv_events_endpoints: tuple[str, ...] = ()
+    kv_events_replay_endpoints: tuple[str, ...] = ()
+    side_channel_ports: tuple[int, ...] = ()
     # For people reading the file: where the server and each of its DP ranks run.
     node: str | None = None
     rank_hosts: tuple[str, ...] = ()
@@ -68,10 +75,15 @@ class PodInfo:
 
     def events_address(self, rank: int) -> tuple[str, bool] | None:
         """(ZMQ address, bind?) of rank `rank`'s KV event stream, as the router's SUB socket must use it."""
+        if rank < len(self.kv_events_endpoints):
+            return rank_address(self.kv_events_endpoints[rank], 0, self.host, self.kv_events_bind)
         return rank_address(self.kv_events_endpoint, rank, self.host, self.kv_events_bind)
 
     def replay_address(self, rank: int) -> str | None:
-        got = rank_address(self.kv_events_replay_endpoint, rank, self.host, False)
+        if rank < len(self.kv_events_replay_endpoints):
+            got = rank_address(self.kv_events_replay_endpoints[rank], 0, self.host, False)
+        else:
+            got = rank_address(self.kv_events_replay_endpoint, rank, self.host, False)
         return got[0] if got else None
 
     def engine_id_of(self, rank: int) -> str | None:
@@ -80,6 +92,8 @@ class PodInfo:
         return self.engine_id if self.dp_size == 1 else f"{self.engine_id}_dp{rank}"
 
     def side_channel_of(self, rank: int) -> tuple[str, int] | None:
+        if rank < len(self.side_channel_ports):
+            return (self.side_channel_host or self.host, self.side_channel_ports[rank])
         if self.side_channel_port is None:
             return None
         return (self.side_channel_host or self.host, self.side_channel_port + rank)
@@ -130,6 +144,26 @@ def entry_for(
     )
 
 
+def with_bound_ports(entry: PodInfo, bound: dict[str, Any]) -> PodInfo:
+    """`entry` (the layout's ports) with the ports its engine really bound, as a simulated engine's --ports-file
+    reports them: the HTTP port in the URL, rank 0's endpoints in the base fields, and every rank's in the lists."""
+    host = urlsplit(entry.url).hostname
+    events = tuple(bound.get("kv_events_endpoints") or ())
+    replays = tuple(bound.get("kv_events_replay_endpoints") or ())
+    sides = tuple(int(p) for p in bound.get("side_channel_ports") or ())
+    return replace(
+        entry,
+        url=f"http://{host}:{int(bound['http_port'])}",
+        kv_events_endpoint=events[0] if events else entry.kv_events_endpoint,
+        kv_events_replay_endpoint=replays[0] if replays else entry.kv_events_replay_endpoint,
+        side_channel_port=sides[0] if sides else entry.side_channel_port,
+        # Only a server of several ranks needs the lists (one rank: the base fields say it all, for old readers too).
+        kv_events_endpoints=events if len(events) > 1 else (),
+        kv_events_replay_endpoints=replays if len(replays) > 1 else (),
+        side_channel_ports=sides if len(sides) > 1 else (),
+    )
+
+
 # ---- JSON -> PodInfo -------------------------------------------------------------------------------------------------
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -143,12 +177,30 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "side_channel_host": (str, type(None)),
     "side_channel_port": (int, type(None)),
     "engine_id": (str, type(None)),
+    "kv_events_endpoints": list,
+    "kv_events_replay_endpoints": list,
+    "side_channel_ports": list,
     "node": (str, type(None)),
     "rank_hosts": list,
     "replica": (int, type(None)),
     "dp_rank": (int, type(None)),
 }
-_OPTIONAL = ("kv_events_bind", "node", "rank_hosts", "replica", "dp_rank")
+_OPTIONAL = (
+    "kv_events_bind",
+    "kv_events_endpoints",
+    "kv_events_replay_endpoints",
+    "side_channel_ports",
+    "node",
+    "rank_hosts",
+    "replica",
+    "dp_rank",
+)
+_LISTS: dict[str, type] = {
+    "rank_hosts": str,
+    "kv_events_endpoints": str,
+    "kv_events_replay_endpoints": str,
+    "side_channel_ports": int,
+}
 _REQUIRED = ("name", "url")
 
 
@@ -174,9 +226,11 @@ def parse_discovery(data: Any, source: str = "discovery file") -> list[PodInfo]:
             if is_bool_for_number or not isinstance(value, want):
                 raise UserError(f"{where}: {key!r} has the wrong type ({type(value).__name__})")
             kw[key] = value
-        if not all(isinstance(h, str) for h in kw.get("rank_hosts", ())):
-            raise UserError(f"{where}: 'rank_hosts' must be a list of host names")
-        kw["rank_hosts"] = tuple(kw.get("rank_hosts", ()))
+        for key, item in _LISTS.items():
+            values = kw.get(key, ())
+            if not all(isinstance(v, item) and not isinstance(v, bool) for v in values):
+                raise UserError(f"{where}: {key!r} must be a list of {'host names' if item is str else 'ports'}")
+            kw[key] = tuple(values)
         kw.setdefault("role", "both")
         if kw["role"] not in ROLES:
             raise UserError(f"{where}: role {kw['role']!r} is not one of {', '.join(ROLES)}")

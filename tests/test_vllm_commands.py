@@ -49,21 +49,21 @@ def test_tiny_full_command_lines():
         ("decode", 0, 0, 8200, [0]),
     ]
     common = (
-        "--model models/tiny --served-model-name tiny --host 0.0.0.0 --port {port} --block-size 16 "
+        "--model models/tiny --served-model-name tiny --host {host} --port {port} --block-size 16 "
         "--enable-prefix-caching --prefix-caching-hash-algo sha256 --max-model-len 1024 --max-num-seqs 256 "
         "--max-num-batched-tokens 8192 --tensor-parallel-size 1 --gpu-memory-utilization 0.9 "
         "--kv-events-config "
         """'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","""
-        """"replay_endpoint":"tcp://*:{rp}","topic":"kv"}}' """
+        """"replay_endpoint":"tcp://{host}:{rp}","topic":"kv"}}' """
         """--kv-transfer-config '{{"kv_connector":"NixlConnector","kv_role":"kv_both","engine_id":"{eid}"}}'"""
     )
     assert shlex.join(launches[0].argv) == (
         f"python -m {API_SERVER_MODULE} "
-        + common.format(port=8100, ev=9100, rp=11100, eid="prefill-0")
+        + common.format(host="10.0.0.1", port=8100, ev=9100, rp=11100, eid="prefill-0")
         + " --enforce-eager"
     )
     assert shlex.join(launches[1].argv) == f"python -m {API_SERVER_MODULE} " + common.format(
-        port=8200, ev=9200, rp=11200, eid="decode-0"
+        host="10.0.0.2", port=8200, ev=9200, rp=11200, eid="decode-0"
     )
     assert launches[0].env == {
         "PYTHONHASHSEED": "0",
@@ -140,11 +140,15 @@ def test_glm_kv_events_nixl_and_multiconnector_per_replica(glm):
     for x in vllm_launches(glm):
         ep = endpoints[(x.role, x.replica)]
         events = json.loads(_flag(x.argv, "--kv-events-config"))
+        # The node's own address (a placeholder the launcher fills), never every interface; vLLM binds the replay
+        # socket wherever it is told, but reads an explicit PUB host as "connect", so the PUB keeps `*`.
+        host = _flag(x.argv, "--host")
+        assert host == (head_placeholder(x.role, x.replica) if x.node_index == 0 else NODE_ADDRESS)
         assert events == {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": f"tcp://*:{ep.kv_events_port}",
-            "replay_endpoint": f"tcp://*:{ep.replay_port}",
+            "replay_endpoint": f"tcp://{host}:{ep.replay_port}",
             "topic": "kv",
         }
         assert x.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(ep.side_channel_port)
@@ -227,7 +231,7 @@ def test_every_argv_parses_with_vllms_own_parser(vllm_parser, glm):
         assert args.enable_prefix_caching is True
         assert args.prefix_caching_hash_algo == _flag(x.argv, "--prefix-caching-hash-algo")
         assert args.kv_events_config.enable_kv_cache_events is True
-        assert args.kv_events_config.replay_endpoint.startswith("tcp://*:")
+        assert args.kv_events_config.replay_endpoint.startswith("tcp://")
         assert args.headless == ("--headless" in x.argv)
         if "--kv-transfer-config" in x.argv:
             assert args.kv_transfer_config.kv_connector in ("NixlConnector", "MultiConnector")
@@ -262,3 +266,11 @@ def test_wait_healthy_names_the_engine_and_shows_the_log_it_wrote_before_dying(t
         wait_healthy("http://127.0.0.1:9/health", proc, 30, log, name="decode-0")
     assert "decode-0 exited with code 0 before it was healthy" in str(err.value)
     assert "ValueError: no such model" in str(err.value)
+
+
+def test_a_run_id_is_a_second_served_name_vllm_lists():
+    """vLLM's /health cannot carry the run id; its /v1/models lists every served name, and the first stays the one
+    responses and metrics carry."""
+    for x in vllm_launches(tiny_spec(), run_id="feedc0de"):
+        i = x.argv.index("--served-model-name")
+        assert x.argv[i + 1 : i + 3] == ["tiny", "llmd-run-feedc0de"] and x.argv[i + 3].startswith("--")

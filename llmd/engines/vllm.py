@@ -13,6 +13,10 @@ environment; launchers (Slurm, local) only place and run them. Ports come from `
   the replay endpoint's port itself (`offset_endpoint_port`), which is the layout's "+ rank".
 - NIXL side channel: VLLM_NIXL_SIDE_CHANNEL_PORT is the layout's rank-0 port; vLLM adds the DP index itself.
 
+Listeners: the API server binds the node's own address (`--host`, the head address or NODE_ADDRESS), never 0.0.0.0,
+and so does the KV-event replay socket; the KV-event PUB socket binds `*` (see kv_events_config). vLLM binds the
+ports it is given and cannot move a taken one, so `port: auto` is for simulated engines (a spec check says so).
+
 Addresses that only the launcher knows are placeholders it substitutes: `head_placeholder(role, replica)` where no
 head address is given, and NODE_ADDRESS for the NIXL side-channel host of a node other than a replica's head.
 
@@ -36,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmd.runid import served_name
 from llmd.spec.layout import EngineEndpoint, engine_endpoints
 from llmd.spec.model import DeploymentSpec, PoolSpec
 
@@ -80,13 +85,16 @@ def _gib(nbytes: int) -> str:
     return str(int(gib)) if gib.is_integer() else repr(gib)
 
 
-def kv_events_config(ep: EngineEndpoint) -> str:
+def kv_events_config(ep: EngineEndpoint, host: str = "*") -> str:
+    """vLLM's ZmqEventPublisher (0.32) binds its PUB socket only for a `*`, `::`, ipc:// or inproc:// endpoint and
+    connects for any other host, so the PUB endpoint keeps `*` (every interface; an explicit address would make vLLM
+    dial out to it). Its replay ROUTER is always bound, so that one gets the node's own address `host`."""
     return _json(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": ep.kv_events_endpoint(bind=True),
-            "replay_endpoint": ep.replay_endpoint(bind=True),
+            "replay_endpoint": f"tcp://{host}:{ep.replay_port}",
             "topic": "kv",
         }
     )
@@ -115,15 +123,21 @@ def kv_transfer_config(spec: DeploymentSpec, ep: EngineEndpoint) -> str | None:
     )
 
 
-def _common_args(spec: DeploymentSpec, role: str, pool: PoolSpec, ep: EngineEndpoint, http_port: int) -> list[str]:
+def _common_args(
+    spec: DeploymentSpec, pool: PoolSpec, ep: EngineEndpoint, http_port: int, host: str, run_id: str | None
+) -> list[str]:
+    """`host`: the node's own address (or its placeholder): the API listens there, not on every interface.
+    `run_id`: a second served name that lets /v1/models vouch for the run (llmd.runid); the first stays the one
+    responses and metrics carry."""
     model = spec.model
+    names = [str(model.served_name)] + ([served_name(run_id)] if run_id else [])
     args = [
         "--model",
         model.path,
         "--served-model-name",
-        str(model.served_name),
+        *names,
         "--host",
-        "0.0.0.0",
+        host,
         "--port",
         str(http_port),
         "--block-size",
@@ -142,7 +156,7 @@ def _common_args(spec: DeploymentSpec, role: str, pool: PoolSpec, ep: EngineEndp
         "--gpu-memory-utilization",
         str(spec.kv.gpu_memory_fraction),
         "--kv-events-config",
-        kv_events_config(ep),
+        kv_events_config(ep, host),
     ]
     if spec.kv.gpu_blocks is not None:
         args += ["--num-gpu-blocks-override", str(spec.kv.gpu_blocks)]
@@ -193,6 +207,7 @@ def vllm_launches(
     head_addresses: Mapping[tuple[str, int], str] | None = None,
     python: str = "python",
     mode: LaunchMode = "head-headless",
+    run_id: str | None = None,
 ) -> list[EngineLaunch]:
     """Every vLLM process of the deployment, pools in spec order (prefill first), then replica, node and rank.
 
@@ -218,7 +233,7 @@ def vllm_launches(
                 python,
                 "-m",
                 API_SERVER_MODULE,
-                *_common_args(spec, role, pool, ep, ep.http_port),
+                *_common_args(spec, pool, ep, ep.http_port, head, run_id),
                 *_tail_args(spec, role, pool),
             ]
             env = _env(spec, pool, ep, head)
@@ -233,7 +248,7 @@ def vllm_launches(
                     python,
                     "-m",
                     API_SERVER_MODULE,
-                    *_common_args(spec, role, pool, ep, port),
+                    *_common_args(spec, pool, ep, port, head if node == 0 else NODE_ADDRESS, run_id),
                     "--data-parallel-size",
                     str(dp),
                     "--data-parallel-rank",
@@ -265,7 +280,7 @@ def vllm_launches(
                 "-m",
                 module,
                 *lead,
-                *_common_args(spec, role, pool, ep, ep.http_port),
+                *_common_args(spec, pool, ep, ep.http_port, head if node == 0 else NODE_ADDRESS, run_id),
                 *dp_args,
                 *dp_addr,
                 *_tail_args(spec, role, pool),

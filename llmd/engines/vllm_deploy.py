@@ -223,7 +223,9 @@ class VllmDeployment:
         memory_fraction: float = CPU_MEMORY_FRACTION,
         timeout_s: float | None = None,
         warmup: bool = True,
+        run_id: str | None = None,
     ) -> None:
+        """`run_id` (llmd.runid): each server is started vouching for it, and is waited for only as that run's."""
         check_cpu_spec(spec)
         if python == sys.executable and not vllm_installed():
             raise UserError("vLLM is not installed here; run `make install-full` (or pip install -e '.[vllm]')")
@@ -235,6 +237,7 @@ class VllmDeployment:
         self.memory_fraction = memory_fraction
         self.timeout_s = timeout_s if timeout_s is not None else spec.engine.startup_timeout_s
         self.warmup = warmup
+        self.run_id = run_id
         self.processes: list[EngineProcess] = []
         # stop() may run while start() is still launching (Ctrl-C during start-up): no process starts after it.
         self._lock = threading.Lock()
@@ -278,7 +281,7 @@ class VllmDeployment:
     def start(self) -> list[PodInfo]:
         """Every server started concurrently, healthy and warmed up; their PodInfo. Stops them all on failure."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        launches = vllm_launches(self.spec, python=self.python, mode=self.mode)
+        launches = vllm_launches(self.spec, python=self.python, mode=self.mode, run_id=self.run_id)
         binds = core_binds(len(launches))
         try:
             for i, (launch, pod) in enumerate(zip(launches, pods_of(self.spec, launches, self.mode), strict=True)):
@@ -304,7 +307,7 @@ class VllmDeployment:
                 # All processes count: a headless node or a peer dying fails the start as much as this one.
                 left = max(1.0, deadline - time.monotonic())
                 try:
-                    wait_healthy(p.pod.url + "/health", every, left, name=f"vLLM {p.name}")
+                    wait_healthy(p.pod.url + "/health", every, left, name=f"vLLM {p.name}", run_id=self.run_id)
                 except EngineStartError as exc:
                     # The log's tail as it is now, of the process that died if one did.
                     dead = next((q for q in started if q.proc.poll() is not None), p)

@@ -22,7 +22,7 @@ def place(p: Placement) -> None:
 
     heads = {head_placeholder(p.role, ep.replica): p.addresses[ep.replica * p.per_replica] for ep in p.eps}
     by_ep = {ep.replica: ep for ep in p.eps}
-    for launch in vllm_launches(p.spec, python=p.python, mode=p.mode):
+    for launch in vllm_launches(p.spec, python=p.python, mode=p.mode, run_id=p.run_id):
         if launch.role != p.role:
             continue
         if launch.node_index >= p.per_replica:
@@ -63,6 +63,15 @@ def spec_issues(spec: DeploymentSpec) -> list[SpecIssue]:
                 '(e.g. "zai-org/GLM-5.2")',
             )
         )
+    for role, pool in spec.pools.items():
+        if pool.port == "auto":
+            issues.append(
+                SpecIssue(
+                    f"{role}.port",
+                    '"auto" is for simulated engines: vLLM binds the ports it is given and cannot report others; give '
+                    "a base port (a taken one fails the engine's start with the port named, never routes elsewhere)",
+                )
+            )
     block = spec.model.block_size
     # vLLM's CPU attention kernels refuse other block sizes; engine.gpu "cpu" is how a spec says it runs on CPUs.
     if spec.engine.gpu == "cpu" and block % 32 != 0:

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,9 +50,14 @@ def wait_healthy(
     timeout_s: float,
     log: Path | None = None,
     name: str = "vLLM",
+    run_id: str | None = None,
 ) -> None:
-    """Return once GET `url` answers 200; raise EngineStartError (with the log's tail) if one of `procs` exits first
-    or the time runs out. Any server llmd starts as a child process is waited for here."""
+    """Return once GET `url` answers 200 (and, given `run_id`, the server proves it is this run's: llmd.runid);
+    raise EngineStartError (with the log's tail) if one of `procs` exits first, the time runs out, or a server of
+    someone else's answers there. Any server llmd starts as a child process is waited for here."""
+    from llmd.runid import identify
+
+    base = url.removesuffix("/health")
     group = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
 
     def where() -> str:  # read when raising: the log's tail at start-up is empty
@@ -64,12 +68,12 @@ def wait_healthy(
         for proc in group:
             if proc.poll() is not None:
                 raise EngineStartError(f"{name} exited with code {proc.returncode} before it was healthy{where()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        answer = identify(base, run_id, name=name)
+        if answer.ok:
+            return
+        if answer.foreign:
+            # It will not go away by waiting, and our server cannot be the one answering there.
+            raise EngineStartError(f"{name}: {answer.reason}{where()}")
         time.sleep(0.25)
     raise EngineStartError(f"{name} was not healthy at {url} after {timeout_s:.0f} s{where()}")
 

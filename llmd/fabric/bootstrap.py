@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from llmd import runid
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
@@ -140,7 +141,14 @@ def bring_up(args: argparse.Namespace) -> tuple[Any, list[NodePlan], int, Any]:
     for rank, k in enumerate(where):
         nodes[k], node_addresses[k] = names[rank][0], addresses[rank]
     plans = plan_nodes(
-        spec, args.role, nodes, node_addresses, spec_path=spec_path, python=args.python, mode=args.launch_mode
+        spec,
+        args.role,
+        nodes,
+        node_addresses,
+        spec_path=spec_path,
+        python=args.python,
+        mode=args.launch_mode,
+        run_id=runid.from_env(),  # exported by the batch script (llmd.runid)
     )
     if comm.rank == 0:
         doc = {"role": args.role, "comm": comm.kind, "ranks": comm.size, "nodes": plan_doc(plans)}
@@ -224,7 +232,7 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
         children = [c for _, c, _ in started]
         for proc, _, log in started:
             if proc.health_url is not None:
-                wait_healthy(proc.health_url, children, timeout, log, name=proc.name)
+                wait_healthy(proc.health_url, children, timeout, log, name=proc.name, run_id=runid.from_env())
         entries = [e for proc, _, _ in started for e in proc.discovery]
         if entries:
             publish(run_dir / FILE_NAME, entries)

@@ -66,6 +66,7 @@ class Placement:
     spec_path: str
     python: str
     mode: LaunchMode
+    run_id: str | None = None  # llmd.runid: vLLM serves it as a second model name, so /v1/models vouches for the run
     procs: dict[int, list[EngineProcess]] = field(default_factory=dict)
     ranks: dict[int, list[int]] = field(default_factory=dict)
 
@@ -117,6 +118,7 @@ def plan_nodes(
     spec_path: str = "spec.yaml",
     python: str = "python",
     mode: LaunchMode = "head-headless",
+    run_id: str | None = None,
 ) -> list[NodePlan]:
     """One NodePlan per node of the `role` pool; `nodes[k]` is node k's name, `addresses[k]` its address (default:
     the name). UserError when the node count does not match the spec."""
@@ -138,7 +140,9 @@ def plan_nodes(
     if per_replica < 1 or per_replica * pool.replicas != pool.nodes:
         raise UserError(f"{role}.nodes ({pool.nodes}) must be a multiple of {role}.replicas ({pool.replicas})")
     eps = [ep for ep in engine_endpoints(spec) if ep.role == role]
-    p = Placement(spec, role, pool, eps, list(nodes), addresses, per_replica, dp_local(pool), spec_path, python, mode)
+    p = Placement(
+        spec, role, pool, eps, list(nodes), addresses, per_replica, dp_local(pool), spec_path, python, mode, run_id
+    )
     engine_kind(spec.engine.kind).place(p)
     procs, ranks = p.procs, p.ranks
     return [

@@ -1,5 +1,5 @@
-"""`llmd router --spec FILE [--discovery FILE] [--host H] [--port P] [--policy NAME] [--metrics-out FILE]`: run the
-router until a signal.
+"""`llmd router --spec FILE [--discovery FILE] [--host H] [--port P] [--policy NAME] [--metrics-out FILE]
+[--port-file FILE] [--run-id ID]`: run the router until a signal.
 
 SIGTERM or SIGINT stops it.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from llmd import runid
 from llmd.errors import UserError
 
 
@@ -42,6 +44,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="write a row per routed request and per-second router series to this HDF5 file (llmd.metrics schema; "
         "never overwritten)",
+    )
+    p.add_argument(
+        "--port-file",
+        metavar="FILE",
+        help='once listening, write {"url": ..., "port": ...} to this JSON file; with it, a port that is taken '
+        "is replaced by a free one (launchers read the file, never the spec's port)",
+    )
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help="this run's id (llmd.runid; default: $LLMD_RUN_ID): /health answers with it, and engines are routed "
+        "to only once they prove the same id",
     )
     p.set_defaults(func=run_router)
 
@@ -90,7 +104,11 @@ def build(args: argparse.Namespace) -> Any:
             f"router.api_key_env names {spec.router.api_key_env}, which is not set (or empty); export the key in it "
             "or remove api_key_env from the spec"
         )
-    return Router(config, pods, discovery=args.discovery)
+    run_id = getattr(args, "run_id", None) or runid.from_env()
+    port_file = getattr(args, "port_file", None)
+    if port_file is not None and not Path(port_file).parent.is_dir():
+        raise UserError(f"--port-file {port_file}: folder {Path(port_file).parent} does not exist")
+    return Router(config, pods, discovery=args.discovery, run_id=run_id, port_fallback=port_file is not None)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -99,11 +117,18 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         import uvloop  # optional: a faster event loop where installed (~15% more requests per core)
     except ImportError:
-        return asyncio.run(_serve(router))
-    return uvloop.run(_serve(router))
+        return asyncio.run(_serve(router, args.port_file))
+    return uvloop.run(_serve(router, args.port_file))
 
 
-async def _serve(router: Any) -> int:
+def write_port_file(path: Path, url: str, port: int) -> None:
+    """Whole or not at all (temp file + rename): the main job polls for it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"url": url, "port": port}) + "\n")
+    os.replace(tmp, path)
+
+
+async def _serve(router: Any, port_file: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -116,6 +141,8 @@ async def _serve(router: Any) -> int:
                 f"cannot listen on {router.config.host}:{router.config.port}: {exc.strerror or exc}"
             ) from exc
         print(f"router listening on {router.url}", flush=True)
+        if port_file is not None:
+            write_port_file(Path(port_file), router.url, router.port)
         await stop.wait()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):

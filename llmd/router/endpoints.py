@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from llmd import runid
 from llmd.discovery import PodInfo, rank_address, read_discovery
 from llmd.errors import UserError
 from llmd.router.pods import Pod
@@ -78,7 +79,11 @@ class EndpointRegistry:
         metrics_interval_s: float = 1.0,
         discovery_interval_s: float = 0.5,
         slow_strikes: int = 3,
+        run_id: str | None = None,
     ) -> None:
+        # Given a run id (llmd.runid), a pod is healthy only when it proves it belongs to the run: whatever else
+        # answers at its address (a stale engine, another user's server on a shared node) is kept out of routing.
+        self.run_id = run_id
         self.pods: dict[str, Pod] = {p.name: Pod(p) for p in pods}
         self.discovery = Path(discovery) if discovery is not None else None
         self.health_interval_s = health_interval_s
@@ -212,9 +217,17 @@ class EndpointRegistry:
             async with self._http.get(
                 pod.info.url + "/health", timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)
             ) as r:
-                await r.read()
-                if r.status != 200:
-                    reason = f"/health answered {r.status}"
+                body = await r.read()
+                answer = runid.answers_for(r.status, r.headers.get(runid.HEADER), body, self.run_id)
+                if answer is None and not pod.healthy:
+                    # A 200 without the header (vLLM): /v1/models must list the run's name. Asked when the pod comes
+                    # up; once up, a process that dies takes the pod down before another can answer on its port.
+                    answer = await self._vouched(pod, r.status, r.headers, body)
+                if answer is not None and not answer.ok:
+                    foreign = runid.foreign_message(pod.info.url, answer.reason, f"engine {pod.name}")
+                    reason = foreign if answer.foreign else answer.reason
+                    if answer.foreign and not pod.healthy and pod.failures == 0:
+                        log.warning("pod %s stays out of routing: %s", pod.name, reason)  # once, not every round
         except TimeoutError:
             reason, slow = f"/health did not answer within {self.health_timeout_s} s", True
         except (aiohttp.ClientError, OSError) as exc:
@@ -231,6 +244,19 @@ class EndpointRegistry:
         if not slow or pod.failures >= self.slow_strikes:
             self.mark_down(pod.name, reason)
         return False
+
+    async def _vouched(self, pod: Pod, status: int, headers: Any, body: bytes) -> runid.Answer:
+        assert self._http is not None and self.run_id is not None
+        try:
+            async with self._http.get(
+                pod.info.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)
+            ) as r:
+                models = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            models = None
+        if runid.models_vouch(models, self.run_id):
+            return runid.Answer(True)
+        return runid.Answer(False, True, runid.describe(status, headers, body))
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(p) for p in list(self.pods.values())))

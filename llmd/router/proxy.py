@@ -20,7 +20,9 @@ a prefill pool exists).
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import json
 import logging
 import os
 import time
@@ -31,6 +33,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from llmd import runid
 from llmd.discovery import PodInfo
 from llmd.kv.index import KVIndex
 from llmd.net import http_client
@@ -80,10 +83,17 @@ class Router:
         discovery: str | os.PathLike[str] | None = None,
         encoder: Any = None,
         scheduler: Scheduler | None = None,
+        run_id: str | None = None,
+        port_fallback: bool = False,
     ) -> None:
+        """`run_id` (llmd.runid): /health says it, and only engines that prove the same id are routed to.
+        `port_fallback`: a taken config.port is replaced by a free one (the caller publishes `url`)."""
         self.config = c = config
+        self.run_id = run_id
+        self.port_fallback = port_fallback
         self.registry = EndpointRegistry(
             pods,
+            run_id=run_id,
             discovery=discovery,
             health_interval_s=c.health_interval_s,
             health_timeout_s=c.health_timeout_s,
@@ -130,7 +140,7 @@ class Router:
         self.http: aiohttp.ClientSession | None = None
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
-        self.port = c.port
+        self.port = 0 if c.port == "auto" else c.port
         self._prefill_pool = (-1, False)  # (registry version, any prefill pod registered, healthy or not)
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
@@ -160,8 +170,16 @@ class Router:
                 **self.limits.runner_kwargs(),
             )
             await self._runner.setup()
-            site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
-            await site.start()
+            site = web.TCPSite(self._runner, c.host, self.port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as exc:
+                # Bind first, then publish what was bound: the caller reads `url` afterwards, never the spec's port.
+                if not (self.port_fallback and self.port and exc.errno == errno.EADDRINUSE):
+                    raise
+                log.warning("router: port %d is taken on %s; taking a free one", self.port, c.host)
+                site = web.TCPSite(self._runner, c.host, 0, reuse_address=True)
+                await site.start()
             self.port = self._runner.addresses[0][1]
             if c.metrics_out is not None:
                 meta = {"policy": c.policy, "url": self.url, **(c.metrics_meta or {})}
@@ -311,7 +329,8 @@ class Router:
     async def _health(self, request: web.Request) -> web.Response:
         # Healthy as long as some pod can serve a whole request: what a load balancer in front needs to know.
         ok = any(p.healthy and p.info.serves_decode for p in self.registry.pods.values())
-        return web.Response(status=200 if ok else 503)
+        headers = {runid.HEADER: self.run_id} if self.run_id else None
+        return web.Response(status=200 if ok else 503, headers=headers)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -326,7 +345,7 @@ class Router:
             try:
                 async with self.http.get(pod.info.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 200:
-                        body = await r.read()
+                        body = _without_run_names(await r.read())
                         self._models_cache = (now, body)
                         return web.Response(body=body, content_type="application/json")
             except (aiohttp.ClientError, TimeoutError, OSError):
@@ -538,6 +557,18 @@ class Router:
         else:
             out_headers["x-llmd-p2p-source"] = pre.name
         return json_encode(hops.with_kv_params(ctx.body, res.kv_params))
+
+
+def _without_run_names(body: bytes) -> bytes:
+    """vLLM's /v1/models less the served name that only vouches for the run (llmd.runid): clients ask for the model."""
+    if runid.MODEL_PREFIX.encode() not in body:
+        return body
+    try:
+        data = json.loads(body)
+        data["data"] = [m for m in data["data"] if not str(m.get("id", "")).startswith(runid.MODEL_PREFIX)]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return body
+    return json_encode(data)
 
 
 def _waiting(job: Job) -> bool:

@@ -6,6 +6,8 @@ side channel P + 2000 + r * dp_size + rank, and serve KV-event replays on P + 30
 NixlConnector engine id is its name (`decode-0`; vLLM appends `_dp<rank>` for ranks > 0), so a router can address a
 peer for a P2P pull without asking it first. On a real cluster each replica sits on its own node(s), so the same numbers
 never collide; on one machine they don't either, because pools keep 100 ports apart (see the spec's defaults).
+`port: auto` makes every port of a pool 0 here: each engine binds free ones and publishes them (llmd.discovery), and so
+does an engine launched by llmd whose layout port turns out to be taken on a shared node.
 """
 
 from __future__ import annotations
@@ -53,19 +55,22 @@ class EngineEndpoint:
 
 
 def engine_endpoints(spec: DeploymentSpec, host: str = "127.0.0.1") -> list[EngineEndpoint]:
+    """Every replica's layout ports; a pool with `port: auto` gets 0 everywhere (any free port, published by the
+    engine once bound)."""
     out = []
     for role, pool in spec.pools.items():
         for r in range(pool.replicas):
+            at = (lambda offset: 0) if pool.port == "auto" else (lambda offset, base=pool.port: base + offset)
             out.append(
                 EngineEndpoint(
                     role=role,
                     replica=r,
                     host=host,
-                    http_port=pool.port + r,
+                    http_port=at(r),
                     dp_size=pool.dp_size,
-                    kv_events_port=pool.port + KV_EVENTS_OFFSET + r * pool.dp_size,
-                    side_channel_port=pool.port + SIDE_CHANNEL_OFFSET + r * pool.dp_size,
-                    replay_port=pool.port + REPLAY_OFFSET + r * pool.dp_size,
+                    kv_events_port=at(KV_EVENTS_OFFSET + r * pool.dp_size),
+                    side_channel_port=at(SIDE_CHANNEL_OFFSET + r * pool.dp_size),
+                    replay_port=at(REPLAY_OFFSET + r * pool.dp_size),
                 )
             )
     return out

@@ -10,7 +10,16 @@ import os
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from llmd.spec import values
@@ -112,6 +121,10 @@ Account = Annotated[str, AfterValidator(values.account)]
 Constraint = Annotated[str, AfterValidator(values.constraint)]
 ContainerImage = Annotated[str, AfterValidator(values.container_image)]
 Host = Annotated[str, AfterValidator(values.host)]
+# A listening port: a number, or "auto" for any free port on the node (the component publishes the one it bound:
+# engines in the discovery file, the router in run.json). A numbered port that is taken on a shared node is also
+# replaced by a free one when llmd launches the component, and published the same way.
+Port = Annotated[int | Literal["auto"], BeforeValidator(values.port)]
 
 
 class _Section(BaseModel):
@@ -175,7 +188,12 @@ class PoolSpec(_Section):
     ep: bool = Field(default=False, description="Expert parallelism across the replica's DP ranks.")
     extra_args: list[str] = Field(default_factory=list, description="Passed verbatim to the engine.")
     env: dict[EnvName, str] = Field(default_factory=dict)
-    port: int = Field(default=PREFILL_PORT, ge=1, le=65535, description="Base HTTP port; decode defaults to 8200.")
+    port: Port = Field(
+        default=PREFILL_PORT,
+        description="Base port (1-65535; decode defaults to 8200) of the pool's HTTP, KV-event, replay and "
+        'side-channel ports (llmd.spec.layout), or "auto": any free ports on each node. Launched engines take a free '
+        "port when theirs is taken and publish what they bound in the discovery file; the router follows that.",
+    )
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=8192, ge=1)
 
@@ -224,7 +242,11 @@ class RouterSpec(_Section):
     pd_threshold: int = Field(default=16, ge=0, description="Uncached prompt tokens at which to disaggregate.")
     p2p: bool = Field(default=True, description="Pull cached prefixes from peer engines instead of recomputing.")
     host: Host = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: Port = Field(
+        default=8000,
+        description='Listening port (1-65535) or "auto": any free port. A launched router takes a free port when this '
+        "one is taken and publishes the one it bound in run.json (router.url), where the benchmark client reads it.",
+    )
     api_key_env: str | None = Field(default=None, description="NAME of the environment variable holding the key.")
     max_inflight_per_pod: int = Field(default=64, ge=1)
     queue_limit: int = Field(default=4096, ge=1)

@@ -127,6 +127,13 @@ def host(value: str) -> str:
     return value
 
 
+def port(value: Any) -> Any:
+    """A listening port: an integer from 1 to 65535, or "auto" (any free port); one message for both forms."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535):
+        return value
+    raise ValueError('is not a port; give a number from 1 to 65535, or "auto" for any free port on the node')
+
+
 def env_name(value: str) -> str:
     if not ENV_NAME_RE.match(no_control(value)):
         raise ValueError(

@@ -62,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"exit with status 1 when more than PCT%% of the requests sent failed, or none succeeded "
         f"(default {DEFAULT_MAX_ERROR_PCT:g}; requests aborted at the end or by Ctrl-C do not count)",
     )
+    p.add_argument(
+        "--run-id",
+        metavar="ID",
+        help="the run id of the router at --url (llmd.runid; a launch's run.json has it): the load starts only if "
+        "the server there answers /health with it, never against something else listening on that port",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="per-request limit (600 s)")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -131,6 +137,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--run {args.run!r}: use letters, digits, '.', '_' and '-' only")
 
 
+def check_run(url: str, run_id: str) -> None:
+    """UserError naming the port and what answered when the server at `url` is not run `run_id`'s."""
+    from llmd.runid import identify
+
+    answer = identify(url, run_id, name="router")
+    if answer.foreign:
+        raise UserError(answer.reason)
+    if not answer.ok:
+        raise UserError(f"the router at {url.rstrip('/')} is not healthy ({answer.reason}); no load was sent")
+
+
 async def check_reachable(url: str, timeout_s: float = 5.0) -> None:
     """UserError naming `url` when nothing answers there."""
     import aiohttp
@@ -189,6 +206,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if duration is None and trace is None and workload.profile.sessions_per_agent is None:
         duration = workload.profile.duration_s
     asyncio.run(check_reachable(args.url))
+    if getattr(args, "run_id", None):
+        check_run(args.url, args.run_id)
     meta: dict[str, Any] = {"spec": dump_spec(spec), "run": run_name, "seed": spec.workload.seed}
     if trace_path is not None:
         meta.update(mode="trace", trace=str(trace_path))

@@ -9,10 +9,13 @@ import json
 import os
 import signal
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import h5py
 import pytest
+import yaml
 from conftest import job_active, llmd, run_dirs, run_state, wait_for, write_spec
 
 from llmd.metrics import read_meta, read_requests, read_timeseries
@@ -42,16 +45,45 @@ def _alive(pid: int) -> bool:
 STARTERS = ["basic"] + (["fabric"] if importlib.util.find_spec("llmd.fabric") else [])
 
 
+def _squat(port: int) -> tuple[ThreadingHTTPServer, list[str]]:
+    """Someone else's server on the spec's router port (the local cluster's nodes share this machine's loopback)."""
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(f"{self.command} {self.path}")
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, hits
+
+
 @pytest.mark.parametrize("starter", STARTERS)
 def test_het_job_runs_end_to_end_into_hdf5(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str], starter: str) -> None:
     spec = write_spec(tmp_path, tiny_tokenizer, "e2e")
-    res = llmd("launch", str(spec), "--starter", starter, "--gpus", "no", cwd=tmp_path)
+    # The spec's router port is taken: the router takes a free one, publishes it, and the client follows that.
+    squatter, hits = _squat(int(yaml.safe_load(spec.read_text())["router"]["port"]))
+    try:
+        res = llmd("launch", str(spec), "--starter", starter, "--gpus", "no", cwd=tmp_path)
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
     (run,) = run_dirs(tmp_path, "e2e")
     state = run_state(run)
     jobs.append(state["job_id"])
     assert res.returncode == 0, res.stdout + res.stderr + (run / "logs" / "main.log").read_text()
     assert "submitted job" in res.stdout and "COMPLETED" in res.stdout
     assert state["state"] == "COMPLETED" and state["cause"] is None
+    assert hits == [] and not state["router"]["url"].endswith(f":{yaml.safe_load(spec.read_text())['router']['port']}")
+    assert len(state["run_id"]) == 16
     # three components on three different nodes, read from `scontrol show hostnames`
     nodes = state["nodes"]
     assert set(nodes) == {"main", "prefill", "decode"}

@@ -78,6 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "file (llmd.metrics schema; never overwritten)",
     )
     p.add_argument(
+        "--ports-file",
+        metavar="FILE",
+        help="once listening, write the ports really bound (HTTP, and per DP rank KV events, replay, side channel) "
+        "to this JSON file; with it, a port that is taken is replaced by a free one (launchers read it back)",
+    )
+    p.add_argument(
         "--all",
         action="store_true",
         help="run every replica of every pool of the spec in this process (ports from llmd.spec.layout)",
@@ -156,6 +162,9 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.model is not None and args.served_name is None and not args.spec:
         # A folder given on its own names the model, as `vllm serve DIR` does; a spec's served_name wins.
         server_kw["served_name"] = Path(args.model.rstrip("/")).name
+    if getattr(args, "ports_file", None):
+        server_kw["ports_file"] = args.ports_file
+        server_kw["port_fallback"] = True
     if args.no_side_channel:
         server_kw["side_channel_port"] = None
     server_kw["enable_prompt_tokens_details"] = not args.disable_prompt_tokens_details
@@ -196,11 +205,12 @@ def run_sim(args: argparse.Namespace) -> int:
                 args.kv_events_replay_endpoint,
                 args.side_channel_port,
                 args.engine_id,
+                args.ports_file,
             )
         ):
             raise UserError(
                 "--all takes every port and engine id from the spec's layout; drop --port, --kv-events-endpoint, "
-                "--kv-events-replay-endpoint, --side-channel-port and --engine-id"
+                "--kv-events-replay-endpoint, --side-channel-port, --engine-id and --ports-file"
             )
         return asyncio.run(serve_many(build_all_configs(args), metrics_out=_metrics_out(args)))
     config = build_config(args)

@@ -20,17 +20,21 @@ this project read `usage.prompt_tokens_details.cached_tokens`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import zmq
 from aiohttp import web
 
+from llmd import runid
 from llmd.net.limits import BodyTimeout, ServerLimits, read_body
 
 from .core import EngineCore
@@ -110,10 +114,15 @@ class SimServer:
                 port = 0
                 if c.side_channel_port is not None:
                     # Bound before the core exists so the core can advertise the port really bound (0 = any).
-                    side = SideChannelServer(
-                        None, c.side_channel_host, c.side_channel_port and c.side_channel_port + rank
-                    )
-                    port = await side.start()
+                    want = c.side_channel_port and c.side_channel_port + rank
+                    side = SideChannelServer(None, c.side_channel_host, want)
+                    try:
+                        port = await side.start()
+                    except OSError as exc:
+                        if not self._may_move(exc, want):
+                            raise
+                        side = SideChannelServer(None, c.side_channel_host, 0)
+                        port = await side.start()
                     self.side_channels.append(side)
                 engine_cfg = replace(
                     c.engine,
@@ -131,14 +140,7 @@ class SimServer:
                 core = EngineCore(engine_cfg, self.latency)
                 publisher = None
                 if c.kv_events_endpoint:
-                    publisher = KVEventPublisher(
-                        c.kv_events_endpoint,
-                        rank,
-                        replay_endpoint=c.kv_events_replay_endpoint,
-                        topic=c.kv_events_topic,
-                        buffer_steps=c.kv_events_buffer_steps,
-                        bind_host=c.kv_events_host or c.host or "*",
-                    )
+                    publisher = self._publisher(rank)
                     self.publishers.append(publisher)
                 runner = RankRunner(
                     core,
@@ -164,8 +166,16 @@ class SimServer:
             )
             await self._runner.setup()
             self._site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
-            await self._site.start()
+            try:
+                await self._site.start()
+            except OSError as exc:
+                if not self._may_move(exc, c.port):
+                    raise
+                self._site = web.TCPSite(self._runner, c.host, 0, reuse_address=True)
+                await self._site.start()
             self.port = self._runner.addresses[0][1]
+            if c.ports_file:
+                write_ports_file(Path(c.ports_file), self.bound_ports())
         except BaseException:
             await self.stop()
             raise
@@ -177,6 +187,47 @@ class SimServer:
             self.url,
         )
         return self
+
+    def _may_move(self, exc: OSError, port: int) -> bool:
+        # Bind first, then tell what was bound: a taken port moves to a free one only for callers that read back
+        # the ports (config.port_fallback); port 0 was any port already.
+        if self.config.port_fallback and port and exc.errno == errno.EADDRINUSE:
+            log.warning("port %d is taken; %s takes a free one", port, self.config.name or self.engine_id)
+            return True
+        return False
+
+    def _publisher(self, rank: int) -> KVEventPublisher:
+        c = self.config
+        assert c.kv_events_endpoint is not None
+
+        def make(endpoint: str, replay: str | None) -> KVEventPublisher:
+            return KVEventPublisher(
+                endpoint,
+                rank,
+                replay_endpoint=replay,
+                topic=c.kv_events_topic,
+                buffer_steps=c.kv_events_buffer_steps,
+                bind_host=c.kv_events_host or c.host or "*",
+            )
+
+        try:
+            return make(c.kv_events_endpoint, c.kv_events_replay_endpoint)
+        except zmq.ZMQError as exc:
+            taken = OSError(exc.errno, str(exc))
+            if not self._may_move(taken, _tcp_port(c.kv_events_endpoint)):
+                raise
+            # Either socket may be the taken one: both move (a rank's ports are published one by one anyway).
+            return make(_any_port(c.kv_events_endpoint), _any_port(c.kv_events_replay_endpoint))
+
+    def bound_ports(self) -> dict[str, Any]:
+        """What this server really listens on: HTTP port, and per DP rank its KV event, replay and side-channel
+        endpoints (a `*` host: bound at the server's host)."""
+        return {
+            "http_port": self.port,
+            "kv_events_endpoints": [p.endpoint for p in self.publishers],
+            "kv_events_replay_endpoints": [p.replay_endpoint for p in self.publishers if p.replay_endpoint],
+            "side_channel_ports": [s.port for s in self.side_channels],
+        }
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -299,7 +350,9 @@ class SimServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         assert self.engine is not None
-        return web.Response(status=200 if self.engine.faults.ready() else 503)
+        # vLLM's /health is an empty 200; the run id rides in a header so the body stays vLLM's.
+        headers = {runid.HEADER: self.config.run_id} if self.config.run_id else None
+        return web.Response(status=200 if self.engine.faults.ready() else 503, headers=headers)
 
     async def _version(self, request: web.Request) -> web.Response:
         return json_response({"version": VLLM_VERSION})
@@ -336,6 +389,26 @@ class SimServer:
             r.core.reset_prefix_cache()
             r._publish(r.core.take_events())
         return web.Response(status=200)
+
+
+def _tcp_port(endpoint: str | None) -> int:
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return 0
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0
+
+
+def _any_port(endpoint: str | None) -> str | None:
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return endpoint
+    return f"{endpoint.rpartition(':')[0]}:0"
+
+
+def write_ports_file(path: Path, ports: dict[str, Any]) -> None:
+    """Written whole (temp file + rename): a launcher polling for it never reads half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(ports) + "\n")
+    os.replace(tmp, path)
 
 
 async def _response_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from llmd import runid
 from llmd.perf.latency import LatencyModel
 
 from .core import SimEngineConfig
@@ -58,6 +59,13 @@ class SimServerConfig:
     # None is this server's HTTP host, so they listen where the API does (127.0.0.1 by default, the node's address
     # under a launcher), never on every interface unless the host is 0.0.0.0 or this says "*".
     kv_events_host: str | None = None
+    # The run this server belongs to (llmd.runid): /health says it in `x-llmd-run`, so clients know they reached it.
+    run_id: str | None = field(default_factory=runid.from_env)
+    # True: a port that is taken (HTTP, KV events, replay, side channel) is replaced by any free one, and the caller
+    # learns what was bound from `ports_file` (or the server's attributes). Off by default: a caller that named a port
+    # and does not read back what was bound would otherwise talk to whatever holds the one it named.
+    port_fallback: bool = False
+    ports_file: str | None = None  # JSON written once every socket is bound (llmd.engines.sim.server.bound_ports)
 
     @classmethod
     def from_spec(cls, spec: Any, role: Role = "both", **overrides: Any) -> SimServerConfig:
@@ -90,7 +98,7 @@ class SimServerConfig:
         fields: dict[str, Any] = {
             "model_dir": m.tokenizer or m.path,
             "served_name": m.served_name,
-            "port": pool.port,
+            "port": 0 if pool.port == "auto" else pool.port,
             "dp_size": pool.dp_size,
             "role": role,
             "time_scale": spec.engine.time_scale,
