@@ -45,7 +45,7 @@ test-fast: $(STAMP)-test
 # LLMD_REQUIRE_SLURM=1 makes them fail instead, so a broken cluster can never pass as "skipped".
 test: $(STAMP)-full
 	@$(MAKE) --no-print-directory services-up || { echo "make test: the local Slurm cluster did not start (see above)" >&2; exit 1; }
-	LLMD_REQUIRE_SLURM=1 LLMD_REQUIRE_VLLM=1 $(PY) -m pytest -q; rc=$$?; $(MAKE) --no-print-directory services-down; exit $$rc
+	LLMD_REQUIRE_SLURM=1 LLMD_REQUIRE_VLLM=1 LLMD_REQUIRE_NATIVE=1 $(PY) -m pytest -q; rc=$$?; $(MAKE) --no-print-directory services-down; exit $$rc
 
 # The local Slurm cluster the tests need (slurm/local-cluster.sh: slurmctld, 4 slurmd, slurmdbd; root, Debian).
 services-up:

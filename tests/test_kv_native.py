@@ -3,6 +3,8 @@ and the C event fast path against the msgspec decoder (same events, same index a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,10 @@ from llmd.kv.compact import CompactEvents
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventDecoder, encode_batch
 from llmd.kv.index import NativeKVIndex, PyKVIndex
 
+# Without a compiler the extension is skipped and llmd runs on the pure-Python index; `make test` sets
+# LLMD_REQUIRE_NATIVE=1 so a build that silently failed there cannot pass as "skipped".
+if kv_index.Core is None and os.environ.get("LLMD_REQUIRE_NATIVE") == "1":
+    raise RuntimeError("llmd.kv._kvnative is not built (pip install -e . compiles llmd/kv/_kvnative.c): see its output")
 pytestmark = pytest.mark.skipif(kv_index.Core is None, reason="llmd.kv._kvnative is not built")
 
 HOLDERS = [(f"pod-{p}", r) for p in range(40) for r in range(2)]  # 80 holders: masks wider than a machine word
