@@ -70,3 +70,15 @@ class DroppingSimServer(SimServer):
 
         app.middlewares.insert(0, web.middleware(drop))
         return app
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses listening on `port` (from /proc/net/tcp, IPv4)."""
+    out = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            hexip, hexport = local.split(":")
+            if int(hexport, 16) == port and state == "0A":
+                out.add(socket.inet_ntoa(bytes.fromhex(hexip)[::-1]))
+    return out

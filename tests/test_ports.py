@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from netutil import listening
 
 from llmd import runid
 from llmd.discovery import read_discovery
@@ -64,18 +64,6 @@ def squatters() -> Iterator[list[Squatter]]:
     yield made
     for s in made:
         s.close()
-
-
-def _listening(port: int) -> set[str]:
-    """The local IPv4 addresses listening on `port`, from /proc/net/tcp."""
-    out = set()
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            hexip, hexport = local.split(":")
-            if int(hexport, 16) == port and state == "0A":
-                out.add(socket.inet_ntoa(bytes.fromhex(hexip)[::-1]))
-    return out
 
 
 def test_a_squatted_router_and_engine_port_get_no_request(
@@ -287,7 +275,7 @@ def test_default_listeners_are_loopback(tmp_path: Path, model_dir: Path) -> None
         ports = [bound["http_port"], json.loads(router_file.read_text())["port"], *bound["side_channel_ports"]]
         ports += [int(e.rpartition(":")[2]) for e in bound["kv_events_endpoints"] + bound["kv_events_replay_endpoints"]]
         for port in ports:
-            assert _listening(port) == {"127.0.0.1"}, port
+            assert listening(port) == {"127.0.0.1"}, port
     finally:
         for proc in (engine, router):
             proc.terminate()

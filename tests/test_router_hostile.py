@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq
+from netutil import listening
 from routerutil import Servers, engine, metric, metric_text, pod_of, rconfig, run
 
 from llmd.engines.sim.server import SimServer
@@ -169,18 +169,6 @@ def test_half_sent_requests_do_not_hold_connections(model_dir: Path, head_only: 
     run(body, 40)
 
 
-def _listening(port: int) -> set[str]:
-    """The local addresses listening on `port` (from /proc/net/tcp, IPv4)."""
-    out = set()
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            hexip, hexport = local.split(":")
-            if int(hexport, 16) == port and state == "0A":
-                out.add(socket.inet_ntoa(bytes.fromhex(hexip)[::-1]))
-    return out
-
-
 def test_every_listener_binds_loopback_by_default(model_dir: Path) -> None:
     async def body() -> None:
         async with Servers() as sv:
@@ -194,7 +182,7 @@ def test_every_listener_binds_loopback_by_default(model_dir: Path) -> None:
                     ports.append(int(p.replay_endpoint.rpartition(":")[2]))
                 ports += [c.port for c in s.side_channels]
                 for port in ports:
-                    assert _listening(port) == {"127.0.0.1"}, port
+                    assert listening(port) == {"127.0.0.1"}, port
                 # The router still hears the events (it connects to the pod's host).
                 st = router.hub.stats
                 async with aiohttp.ClientSession() as http:
@@ -215,12 +203,12 @@ def test_a_node_address_binds_there_and_star_binds_everywhere(model_dir: Path) -
     async def body() -> None:
         async with SimServer(engine(model_dir, "e0", host="127.0.0.2")) as s:
             port = int(s.publishers[0].endpoint.rpartition(":")[2])
-            assert _listening(port) == {"127.0.0.2"}
+            assert listening(port) == {"127.0.0.2"}
             sub = zmq.Context.instance().socket(zmq.SUB)
             sub.connect(f"tcp://127.0.0.2:{port}")
             sub.close(linger=0)
         async with SimServer(engine(model_dir, "e1", kv_events_host="*")) as s:
             port = int(s.publishers[0].endpoint.rpartition(":")[2])
-            assert _listening(port) == {"0.0.0.0"}
+            assert listening(port) == {"0.0.0.0"}
 
     run(body)
