@@ -135,7 +135,8 @@ class Router:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._models_cache: tuple[float, bytes] | None = None
-        self._pump_timer: asyncio.TimerHandle | None = None
+        self._pump_timer: asyncio.Handle | None = None
+        self._pump_at = 0.0  # when _pump_timer fires
         self.recorder: RouterRecorder | None = None
         self.registry.on_up.append(self._pod_up)
         self.registry.on_down.append(self._pod_down)
@@ -232,10 +233,13 @@ class Router:
         if at is None:
             return
         h = self._pump_timer
-        if h is not None and not h.cancelled() and h.when() <= at:
+        if h is not None and not h.cancelled() and self._pump_at <= at:
             return
         if h is not None:
             h.cancel()
+        # The time is kept here, not read back with h.when(): uvloop's call_at returns a plain Handle, which has no
+        # when(), for a time already due (under load, requests failed on it with their connections reset).
+        self._pump_at = at
         self._pump_timer = asyncio.get_running_loop().call_at(at, self._timed_pump)
 
     def _timed_pump(self) -> None:
