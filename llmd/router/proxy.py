@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 DP_RANK_HEADER = "X-data-parallel-rank"
 _FORWARD_REQUEST_HEADERS = ("X-Request-Id", "traceparent", "tracestate")
 _CTX_KEY = web.RequestKey("llmd_ctx", object)
+LISTEN_BACKLOG = 4096  # pending connections the listening socket queues (aiohttp: 128)
 __all__ = ["APIError", "PromptEncoder", "RouteTokens", "Router", "RouterConfig"]
 
 
@@ -161,7 +162,11 @@ class Router:
                 **self.limits.runner_kwargs(),
             )
             await self._runner.setup()
-            site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
+            # Thousands of agents connect at once (the client pool keeps idle connections 4 s; tool gaps are longer):
+            # with aiohttp's backlog of 128 a busy loop let the accept queue overflow, and the kernel reset those
+            # connections ~40-75 s later (Connection reset by peer, no row at the router). The kernel caps it at
+            # net.core.somaxconn.
+            site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True, backlog=LISTEN_BACKLOG)
             await site.start()
             self.port = self._runner.addresses[0][1]
             if c.metrics_out is not None:
