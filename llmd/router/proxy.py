@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 DP_RANK_HEADER = "X-data-parallel-rank"
 _FORWARD_REQUEST_HEADERS = ("X-Request-Id", "traceparent", "tracestate")
 _CTX_KEY = web.RequestKey("llmd_ctx", object)
+LISTEN_BACKLOG = 4096  # pending connections the listening socket queues (aiohttp: 128)
 __all__ = ["APIError", "PromptEncoder", "RouteTokens", "Router", "RouterConfig"]
 
 
@@ -145,7 +146,8 @@ class Router:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._models_cache: tuple[float, bytes] | None = None
-        self._pump_timer: asyncio.TimerHandle | None = None
+        self._pump_timer: asyncio.Handle | None = None
+        self._pump_at = 0.0  # when _pump_timer fires
         self.recorder: RouterRecorder | None = None
         self.registry.on_up.append(self._pod_up)
         self.registry.on_down.append(self._pod_down)
@@ -170,7 +172,11 @@ class Router:
                 **self.limits.runner_kwargs(),
             )
             await self._runner.setup()
-            site = web.TCPSite(self._runner, c.host, self.port, reuse_address=True)
+            # Thousands of agents connect at once (the client pool keeps idle connections 4 s; tool gaps are longer):
+            # with aiohttp's backlog of 128 a busy loop let the accept queue overflow, and the kernel reset those
+            # connections ~40-75 s later (Connection reset by peer, no row at the router). The kernel caps it at
+            # net.core.somaxconn.
+            site = web.TCPSite(self._runner, c.host, self.port, reuse_address=True, backlog=LISTEN_BACKLOG)
             try:
                 await site.start()
             except OSError as exc:
@@ -178,7 +184,7 @@ class Router:
                 if not (self.port_fallback and self.port and exc.errno == errno.EADDRINUSE):
                     raise
                 log.warning("router: port %d is taken on %s; taking a free one", self.port, c.host)
-                site = web.TCPSite(self._runner, c.host, 0, reuse_address=True)
+                site = web.TCPSite(self._runner, c.host, 0, reuse_address=True, backlog=LISTEN_BACKLOG)
                 await site.start()
             self.port = self._runner.addresses[0][1]
             if c.metrics_out is not None:
@@ -250,10 +256,13 @@ class Router:
         if at is None:
             return
         h = self._pump_timer
-        if h is not None and not h.cancelled() and h.when() <= at:
+        if h is not None and not h.cancelled() and self._pump_at <= at:
             return
         if h is not None:
             h.cancel()
+        # The time is kept here, not read back with h.when(): uvloop's call_at returns a plain Handle, which has no
+        # when(), for a time already due (under load, requests failed on it with their connections reset).
+        self._pump_at = at
         self._pump_timer = asyncio.get_running_loop().call_at(at, self._timed_pump)
 
     def _timed_pump(self) -> None:

@@ -59,6 +59,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hang-after", type=int, metavar="N", help="stop answering after N requests")
     p.add_argument("--crash-after", type=int, metavar="N", help="exit (code 1) on request N+1")
     p.add_argument(
+        "--fail-kv-transfers",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="fraction of KV pulls that fail as a failed NIXL transfer does (the pull failure policy decides the "
+        "request's fate). At run time SIGUSR2 fails each server's next pull and SIGUSR1 drops each rank's next KV "
+        "event batch (a sequence gap, replayable)",
+    )
+    p.add_argument(
         "--disable-prompt-tokens-details",
         action="store_true",
         help="omit usage.prompt_tokens_details, as vLLM does by default (the sim behaves as with vLLM's "
@@ -136,6 +145,7 @@ def build_config(args: argparse.Namespace) -> Any:
             slow_start_s=args.slow_start,
             hang_after=args.hang_after,
             crash_after=args.crash_after,
+            kv_transfer_failure_rate=getattr(args, "fail_kv_transfers", 0.0),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
@@ -254,6 +264,9 @@ async def serve_many(configs: list[Any], metrics_out: Path | None = None) -> int
         raise UserError(f"cannot start the simulated engine: {exc}") from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Fault hooks for soak tests (benchmarks/soak.py), at a time of the caller's choosing.
+    loop.add_signal_handler(signal.SIGUSR1, _drop_next_event_batch, servers)
+    loop.add_signal_handler(signal.SIGUSR2, _fail_next_transfer, servers)
     started: list[Any] = []
     series = None
     try:
@@ -270,7 +283,21 @@ async def serve_many(configs: list[Any], metrics_out: Path | None = None) -> int
     finally:
         if series is not None:
             await series.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
         await asyncio.gather(*(s.stop() for s in started), return_exceptions=True)
     return code
+
+
+def _drop_next_event_batch(servers: list[Any]) -> None:
+    for server in servers:
+        for p in server.publishers:
+            p.skip_next += 1
+    logging.getLogger(__name__).warning("SIGUSR1: dropping the next KV event batch of every rank (a sequence gap)")
+
+
+def _fail_next_transfer(servers: list[Any]) -> None:
+    for server in servers:
+        if server.engine is not None:
+            server.engine.faults.fail_next_transfers += 1
+    logging.getLogger(__name__).warning("SIGUSR2: failing the next KV transfer of every server")

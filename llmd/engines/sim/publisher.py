@@ -91,6 +91,7 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.published = 0
         self.dropped = 0
+        self.skip_next = 0  # fault injection: batches not sent (still replayable), as a PUB at its high-water mark
         ep = offset_endpoint_port(endpoint, dp_rank)
         assert ep is not None
         # PUB sends are non-blocking, so a plain socket does; the replay ROUTER is awaited on the loop.
@@ -132,6 +133,12 @@ class KVEventPublisher:
     def publish_payload(self, payload: bytes) -> int:
         seq = self._seq
         self._seq += 1
+        if self.skip_next > 0:
+            # A subscriber sees the next batch's seq jump past this one: a gap it can fill by replay.
+            self.skip_next -= 1
+            self.dropped += 1
+            self._buffer.append((seq, payload))
+            return seq
         try:
             self._pub.send_multipart((self._topic_b, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             self.published += 1

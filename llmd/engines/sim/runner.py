@@ -76,6 +76,9 @@ class FaultConfig:
     slow_start_s: float = 0.0  # /health answers 503 (and requests 503) until this many wall seconds after start
     hang_after: int | None = None  # requests after the Nth are accepted but never answered; running streams stall
     crash_after: int | None = None  # the (N+1)th request crashes the server: listener closed, engines stopped
+    # Fraction of KV pulls (P/D, P2P) that fail as a failed NIXL READ does: the pull reports an error, the request
+    # goes to the pull failure policy, and the remote lease is left to expire.
+    kv_transfer_failure_rate: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class FaultConfig:
             raise ValueError(f"failure_rate must be in [0, 1], got {self.failure_rate}")
         if self.slow_start_s < 0:
             raise ValueError(f"slow_start_s must be >= 0, got {self.slow_start_s}")
+        if not 0.0 <= self.kv_transfer_failure_rate <= 1.0:
+            raise ValueError(f"kv_transfer_failure_rate must be in [0, 1], got {self.kv_transfer_failure_rate}")
 
 
 class FaultInjector:
@@ -95,6 +100,8 @@ class FaultInjector:
         self.requests = 0
         self.hung = False
         self.crashed = False
+        self.fail_next_transfers = 0  # armed at run time (`llmd engine sim` on SIGUSR2): these pulls fail next
+        self.failed_transfers = 0
 
     def ready(self) -> bool:
         return time.monotonic() - self.started >= self.config.slow_start_s
@@ -112,6 +119,16 @@ class FaultInjector:
         if c.failure_rate and self._rng.random() < c.failure_rate:
             return "fail"
         return "ok"
+
+    def transfer_fails(self) -> bool:
+        """One KV pull starts: True when it is to fail."""
+        fail = self.fail_next_transfers > 0 or (
+            self.config.kv_transfer_failure_rate > 0 and self._rng.random() < self.config.kv_transfer_failure_rate
+        )
+        if fail:
+            self.fail_next_transfers = max(0, self.fail_next_transfers - 1)
+            self.failed_transfers += 1
+        return fail
 
 
 @dataclass(slots=True, eq=False)
@@ -164,6 +181,7 @@ class RankRunner:
         self._pulls: set[asyncio.Task[None]] = set()
         self._busy_until: float | None = None  # end of the step being "computed" (sleeping until then)
         self._last_stats = core.stats()
+        self.faults: FaultInjector | None = None  # the server's, set by EngineRunner
 
     # ---- the side channel's view of this rank (transfer.LeaseOwner) ------------------------------------------------
     @property
@@ -380,6 +398,9 @@ class RankRunner:
     async def _pull(self, task: PullTask) -> None:
         if task.remote_host is None or task.remote_port is None:
             result = PullResult(False, error="no remote side channel in kv_transfer_params")
+        elif self.faults is not None and self.faults.transfer_fails():
+            # What vLLM's NixlConnector sees when a READ fails: the transfer's status is an error, nothing arrives.
+            result = PullResult(False, error="injected fault: NIXL transfer failed (NIXL_ERR_REMOTE_DISCONNECT)")
         else:
             result = await pull_blocks(
                 task.remote_host,
@@ -418,6 +439,8 @@ class EngineRunner:
     def __init__(self, ranks: Sequence[RankRunner], faults: FaultConfig | None = None) -> None:
         self.ranks = list(ranks)
         self.faults = FaultInjector(faults or FaultConfig())
+        for r in self.ranks:
+            r.faults = self.faults
         self._rr = 0
 
     def pick(self, requested: int | None) -> RankRunner:

@@ -1,0 +1,112 @@
+"""The simulated engine's fault hooks the soak benchmark drives (benchmarks/soak.py): a failed KV transfer, as vLLM's
+NixlConnector reports one, is retried by the router on a fresh attempt; a dropped KV event batch is a sequence gap the
+router fills by replay; `llmd engine sim` arms both on SIGUSR2 / SIGUSR1 without stopping."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from routerutil import Servers, engine, metric, metric_text, pod_of, post, rconfig, run, until, words
+
+from llmd.engines.sim.runner import FaultConfig, FaultInjector
+from llmd.router.proxy import Router
+
+
+def test_injector_fails_armed_transfers_once_each_and_at_its_rate() -> None:
+    f = FaultInjector(FaultConfig())
+    assert not f.transfer_fails()
+    f.fail_next_transfers = 2
+    assert [f.transfer_fails() for _ in range(3)] == [True, True, False]
+    always = FaultInjector(FaultConfig(kv_transfer_failure_rate=1.0))
+    assert all(always.transfer_fails() for _ in range(5)) and always.failed_transfers == 5
+    with pytest.raises(ValueError):
+        FaultConfig(kv_transfer_failure_rate=1.5)
+
+
+def test_failed_kv_transfer_is_retried_by_the_router_and_the_client_sees_none(model_dir: Path) -> None:
+    async def body() -> None:
+        async with Servers() as sv, aiohttp.ClientSession() as http:
+            pre = await sv.start(engine(model_dir, "p0", role="prefill"))
+            dec = await sv.start(engine(model_dir, "d0", role="decode"))
+            async with Router(rconfig(model_dir, pd_threshold=16), [pod_of(pre), pod_of(dec)]) as router:
+                await until(lambda: all(p.healthy for p in router.registry.pods.values()), 10, "pods healthy")
+                assert dec.engine is not None
+                dec.engine.faults.fail_next_transfers = 1
+                req = {"prompt": words(5, 200), "max_tokens": 4, "stream": True}
+                st, r, h = await post(http, router.url + "/v1/completions", req)
+                assert st == 200 and "error" not in r and r.rstrip().endswith("[DONE]"), r
+                assert h["x-llmd-attempts"] == "2"
+                assert dec.engine.faults.failed_transfers == 1
+                text = await metric_text(http, dec.url)
+                assert metric(text, "vllm:nixl_num_failed_transfers_total") == 1
+                rtext = await metric_text(http, router.url)
+                assert metric(rtext, "llmd_router_retries_total", reason="stream_error") == 1
+
+    run(body)
+
+
+def test_dropped_kv_event_batch_is_a_gap_the_router_replays(model_dir: Path) -> None:
+    async def body() -> None:
+        async with Servers() as sv, aiohttp.ClientSession() as http:
+            eng = await sv.start(engine(model_dir, "e0"))
+            async with Router(rconfig(model_dir), [pod_of(eng)]) as router:
+                await until(lambda: all(p.healthy for p in router.registry.pods.values()), 10, "pod healthy")
+                st, _, _ = await post(http, router.url + "/v1/completions", {"prompt": words(1, 100), "max_tokens": 2})
+                assert st == 200
+                await until(lambda: router.hub.stats.batches > 0, 10, "first batches")
+                replayed = router.hub.stats.replay_batches
+                eng.publishers[0].skip_next = 1
+                for i in (2, 3):
+                    st, _, _ = await post(
+                        http, router.url + "/v1/completions", {"prompt": words(i, 100), "max_tokens": 2}
+                    )
+                    assert st == 200
+                await until(lambda: router.hub.stats.replay_batches > replayed, 10, "the dropped batch replayed")
+                assert eng.publishers[0].dropped == 1 and router.hub.stats.gaps == 0
+
+    run(body)
+
+
+@pytest.mark.integration
+def test_engine_process_takes_fault_signals_and_keeps_serving(model_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmd.cli",
+            "engine",
+            "sim",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--side-channel-port",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert "serving" in line, line
+        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR2)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert "SIGUSR1" in err and "SIGUSR2" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
