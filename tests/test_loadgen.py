@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,22 @@ def test_prompt_error_is_a_row_and_the_run_continues(
     assert (row.session, row.turn, row.status) == ("a1-s0", 1, 0) and row.error.startswith("prompt: ValueError")
     assert set(zip(df.session, df.turn, strict=True)) == planned - {("a1-s0", 2)}
     assert summary.requests == len(df) == len(planned) - 1 and summary.sessions == 4
+
+
+def test_send_times_count_from_the_files_start_time(model_dir: Path, tok: Tokenizer, tmp_path: Path) -> None:
+    """A caller that started the run earlier (main_job passes the run's start) gets rows on that clock: send_time is
+    seconds since the file's start_time, so the client's rows line up with the router's and engines' by wall clock."""
+    out = tmp_path / "run" / "metrics.h5"
+    started = time.time() - 30.0
+
+    async def body() -> LoadSummary:
+        async with SimServer(sim(model_dir)) as s:
+            return await run_load(load(s.url, model_dir, tok, out, meta={"start_time": started}, max_requests=3))
+
+    before = time.time()
+    assert run(body, 30).requests == 3
+    df = read_requests(out)
+    with h5py.File(out, "r") as f:
+        assert f.attrs["start_time"] == pytest.approx(started)
+    lo, hi = before - started, time.time() - started
+    assert ((df.send_time >= lo - 0.5) & (df.send_time <= hi + 0.5)).all(), (lo, hi, list(df.send_time))

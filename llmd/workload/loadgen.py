@@ -92,7 +92,9 @@ class _Run:
         self.prompts = prompts
         self.stop = stop
         self.stats = RunStats()
-        self.t0 = time.perf_counter()
+        # Times are seconds since the file's start_time (the schema's "run start"), which a caller may have set to
+        # the run's own start, before this client existed: rows then line up with the other producers' by wall clock.
+        self.t0 = time.perf_counter() - max(0.0, time.time() - writer.start_time)
         prof = cfg.workload.profile
         # A trace runs to its end unless told otherwise; a profile for its duration.
         self.duration = cfg.duration_s if cfg.duration_s is not None or cfg.trace is not None else prof.duration_s
