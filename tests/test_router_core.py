@@ -383,7 +383,7 @@ def test_p2p_plan_pulls_from_an_overloaded_holder(mode: str) -> None:
 
 
 def test_one_kv_index_query_per_decision() -> None:
-    """The snapshot's KV-fit check and the scheduler's prefix hits share one query of the index."""
+    """The snapshot's KV-fit check and the scheduler's prefix hits share one query of the index (in either form)."""
 
     class Counting(KVIndex):
         queries = 0
@@ -391,6 +391,10 @@ def test_one_kv_index_query_per_decision() -> None:
         def query(self, block_hashes: Sequence[int]) -> Any:
             Counting.queries += 1
             return super().query(block_hashes)
+
+        def query_columns(self, block_hashes: Sequence[int]) -> Any:
+            Counting.queries += 1
+            return super().query_columns(block_hashes)
 
     core = make_core([pod("e0"), pod("e1")], index=Counting())
     _placed(core, 1, 40)

@@ -15,7 +15,7 @@ import numpy as np
 
 from llmd.router.ledger import Ledger, Load
 from llmd.router.pods import RankState
-from llmd.router.scheduling.columns import I64, Columns, kv_need, role_masks
+from llmd.router.scheduling.columns import I64, Columns, HolderIds, kv_need, role_masks
 from llmd.router.scheduling.state import Endpoint, EndpointState, Holder
 
 # The gauges the pipeline reads for every endpoint of a hop, read per decision; `running` and `cpu_capacity_blocks`
@@ -43,6 +43,19 @@ class Fleet:
             self._read(i)
         self._ledger = ledger
         ledger.touched.clear()
+        self.no_blocks = np.zeros(n, I64)  # `cached` of a request the index holds nothing of
+        self._ids: dict[int, np.ndarray] = {}  # ids_version -> the endpoints' holder ids
+
+    def holder_ids(self, index: HolderIds) -> np.ndarray:
+        """An index's id of each endpoint's holder (-1: none), kept until its ids change (the KV index's and the
+        speculative index's ids are both read per decision; versions are unique across indexes)."""
+        version = index.ids_version
+        got = self._ids.get(version)
+        if got is None:
+            if len(self._ids) >= 8:  # older versions of the indexes' ids: never asked for again
+                self._ids.clear()
+            got = self._ids[version] = index.holder_ids(ep.holder for ep in self.endpoints)
+        return got
 
     def _read(self, i: int) -> None:
         ld = self.loads[i]
@@ -55,10 +68,11 @@ class Fleet:
         excluded: set[str],
         hashes: Sequence[int],
         unit: int,
-        cached: dict[Holder, int] | None,
+        cached: dict[Holder, int] | np.ndarray | None,
     ) -> RequestColumns:
         """This moment's columns for one request (`hashes`, `unit`: its InflightKV key; `cached`: as
-        RouterCore.snapshot's), without the endpoints of the `excluded` pods."""
+        RouterCore.snapshot's, or those GPU blocks as a column aligned with the fleet), without the endpoints of the
+        `excluded` pods."""
         touched = self._ledger.touched
         if touched:
             at = self._at
@@ -69,6 +83,8 @@ class Fleet:
         sel = None
         if excluded:
             sel = np.array([i for i, ep in enumerate(self.endpoints) if ep.pod not in excluded], dtype=np.intp)
+        if isinstance(cached, dict):
+            cached = np.fromiter((cached.get(ep.holder, 0) for ep in self.endpoints), I64, len(self.endpoints))
         return RequestColumns(self, sel, hashes, unit, cached)
 
 
@@ -77,7 +93,7 @@ class RequestColumns(Columns):
     now, and inflight_kv_tokens less what the request shares with the KV in flight there (RouterCore.snapshot)."""
 
     def __init__(
-        self, fleet: Fleet, sel: np.ndarray | None, hashes: Sequence[int], unit: int, cached: dict[Holder, int] | None
+        self, fleet: Fleet, sel: np.ndarray | None, hashes: Sequence[int], unit: int, cached: np.ndarray | None
     ) -> None:
         if sel is None:
             endpoints, ranks, loads = fleet.endpoints, fleet.ranks, fleet.loads
@@ -107,7 +123,9 @@ class RequestColumns(Columns):
         self._loads = loads
         self._hashes = hashes
         self._unit = unit
-        self._cached = cached
+        self._cached = cached if cached is None or sel is None else cached[sel]  # GPU blocks cached, per endpoint
+        self._fleet = fleet
+        self._sel = sel
         self._exact: dict[int, int] = {}
         self._states: dict[int, EndpointState] = {}
 
@@ -121,7 +139,7 @@ class RequestColumns(Columns):
             if unit and got:
                 cached = self._cached
                 n = len(self._hashes)
-                upto = n if cached is None else cached.get(self.endpoints[i].holder, 0)
+                upto = n if cached is None else int(cached[i])
                 if upto:
                     got -= self._loads[i].kv.held_prefix(self._hashes, 0, min(upto, n)) * unit
             self._exact[i] = got
@@ -129,6 +147,11 @@ class RequestColumns(Columns):
 
     def _inflight_kv(self, idx: np.ndarray) -> np.ndarray:
         return np.array([self.inflight_kv(i) for i in idx.tolist()], dtype=I64)
+
+    def holder_ids(self, index: HolderIds) -> np.ndarray:
+        """Columns.holder_ids from the fleet's, which it keeps across decisions."""
+        ids = self._fleet.holder_ids(index)
+        return ids if self._sel is None else ids[self._sel]
 
     def kv_fits(self, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
         """Columns.kv_fits, working out what the request shares only where the KV in flight without it does not
