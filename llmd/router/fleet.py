@@ -1,8 +1,8 @@
 """The router core's routable endpoints as columns (scheduling.columns), kept current between decisions.
 
 The ledger's columns change only where a request is taken or given back, so they are updated from the loads the
-ledger touched since the last decision, not re-read for every endpoint. The engines' gauges are written by the driver
-without telling anyone, so they are read in bulk per decision. What the request being routed shares with the KV in
+ledger touched since the last decision, not re-read for every endpoint. The engines' gauges are re-read in bulk when
+any was written since the last decision (RankState.written). What the request being routed shares with the KV in
 flight at an endpoint (inflight_kv_tokens) is worked out only where it can decide a fit.
 """
 
@@ -43,8 +43,24 @@ class Fleet:
             self._read(i)
         self._ledger = ledger
         ledger.touched.clear()
+        self._gauges: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.no_blocks = np.zeros(n, I64)  # `cached` of a request the index holds nothing of
         self._ids: dict[int, np.ndarray] = {}  # ids_version -> the endpoints' holder ids
+
+    def gauges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """waiting, kv_usage and kv_capacity_blocks of every endpoint, as the engines report them now: re-read only
+        when some rank's gauges were written since (RankState.written)."""
+        written = RankState.written
+        got = self._gauges
+        if got is None or got[0] != written:
+            ranks, n = self.ranks, len(self.ranks)
+            got = self._gauges = (
+                written,
+                np.fromiter(map(_WAITING, ranks), I64, n),
+                np.fromiter(map(_KV_USAGE, ranks), np.float64, n),
+                np.fromiter(map(_KV_CAPACITY, ranks), I64, n),
+            )
+        return got[1], got[2], got[3]
 
     def holder_ids(self, index: HolderIds) -> np.ndarray:
         """An index's id of each endpoint's holder (-1: none), kept until its ids change (the KV index's and the
@@ -95,10 +111,12 @@ class RequestColumns(Columns):
     def __init__(
         self, fleet: Fleet, sel: np.ndarray | None, hashes: Sequence[int], unit: int, cached: np.ndarray | None
     ) -> None:
+        waiting, kv_usage, kv_capacity = fleet.gauges()
         if sel is None:
             endpoints, ranks, loads = fleet.endpoints, fleet.ranks, fleet.loads
             roles, slot = fleet.roles, fleet.slot
             inflight, inflight_tokens, kv = fleet.inflight.copy(), fleet.inflight_tokens.copy(), fleet.kv_tokens.copy()
+            waiting, kv_usage, kv_capacity = waiting.copy(), kv_usage.copy(), kv_capacity.copy()
         else:
             take = sel.tolist()
             endpoints = [fleet.endpoints[i] for i in take]
@@ -106,15 +124,16 @@ class RequestColumns(Columns):
             loads = [fleet.loads[i] for i in take]
             roles, slot = {hop: m[sel] for hop, m in fleet.roles.items()}, None
             inflight, inflight_tokens, kv = fleet.inflight[sel], fleet.inflight_tokens[sel], fleet.kv_tokens[sel]
+            waiting, kv_usage, kv_capacity = waiting[sel], kv_usage[sel], kv_capacity[sel]
         n = len(endpoints)
         super().__init__(
             endpoints,
             healthy=np.ones(n, dtype=bool),
-            waiting=np.fromiter(map(_WAITING, ranks), I64, n),
-            kv_usage=np.fromiter(map(_KV_USAGE, ranks), np.float64, n),
+            waiting=waiting,
+            kv_usage=kv_usage,
             inflight=inflight,
             inflight_tokens=inflight_tokens,
-            kv_capacity_blocks=np.fromiter(map(_KV_CAPACITY, ranks), I64, n),
+            kv_capacity_blocks=kv_capacity,
             roles=roles,
             slot=slot,
         )
