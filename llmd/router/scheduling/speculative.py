@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 from operator import eq
 
 import numpy as np
@@ -60,8 +60,9 @@ class SpeculativeIndex:
         d = self._by_holder.get(holder)
         if d is None:
             d = self._by_holder[holder] = {}
+        # The mirror needs only the blocks new to this holder (a session's next turn is mostly its last one's).
+        self._held.store(holder, list(filterfalse(d.__contains__, hashes)))
         d.update(zip(hashes, repeat(expiry)))
-        self._held.store(holder, hashes)  # type: ignore[arg-type]
         self._latest[holder] = max(expiry, self._latest.get(holder, expiry))
         self._log.append((expiry, holder, hashes))
         self._logged += len(hashes)
