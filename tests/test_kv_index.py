@@ -38,7 +38,21 @@ def batch(*events, rank: int | None = 0) -> EventBatch:
 
 
 def by_holder(ix: KVIndex, hashes) -> dict:
-    return {m.holder: (m.blocks_any, m.blocks_gpu, m.blocks_gpu_prefix) for m in ix.query(hashes)}
+    """`query`'s answer by holder, checked against `query_columns` (the same answer by holder id)."""
+    got = {m.holder: (m.blocks_any, m.blocks_gpu, m.blocks_gpu_prefix) for m in ix.query(hashes)}
+    assert columns_by_holder(ix, hashes) == got
+    return got
+
+
+def columns_by_holder(ix: KVIndex, hashes) -> dict:
+    cols = ix.query_columns(hashes)
+    known = ix.holders()
+    ids = ix.holder_ids([*known, ("nobody", 0)])
+    assert ids[-1] == -1
+    rows = zip(*(c[ids].tolist() for c in cols), strict=True)
+    got = {h: r for h, r in zip(known, rows, strict=False) if r[0]}
+    assert all(c[-1] == 0 for c in cols)  # an unknown holder reads 0
+    return got
 
 
 def test_store_query_remove() -> None:
@@ -348,6 +362,21 @@ def test_matches_brute_force_model(ops, cap) -> None:
     else:  # table, recency list and mask references agree
         ix._core.check()
         assert ix._core.keys() == list(model.recency)
+
+
+def test_holder_ids_follow_the_ids_version() -> None:
+    ix = KVIndex()
+    v0 = ix.ids_version
+    ix.store(A0, [1, 2])
+    ix.store(B0, [1])
+    v1 = ix.ids_version
+    assert v1 != v0 and ix.holder_ids([B0, A0, A1]).tolist() == [1, 0, -1]
+    ix.store(A0, [3], parent=2)
+    assert ix.ids_version == v1  # no holder came or went
+    ix.apply("a", batch(AllBlocksCleared()))  # the holder restarts under a new id
+    assert ix.ids_version != v1
+    assert columns_by_holder(ix, [1, 2]) == {B0: (1, 1, 1)}
+    assert KVIndex().ids_version != ix.ids_version  # unique across indexes: a cache keyed by it cannot mix them
 
 
 def test_many_holders() -> None:

@@ -71,9 +71,19 @@ def test_native_matches_python(ops, cap, batch, wire) -> None:
             assert a.drop_pod(op[1]) == b.drop_pod(op[1])
         else:
             assert a.query(op[1]) == b.query(op[1])
+            same_columns(a, b, op[1])
     same(a, b, seen[:50])
     for q in (seen, seen[::-1], seen[3:]):
         assert a.query(q) == b.query(q)
+        same_columns(a, b, q)
+
+
+def same_columns(a: PyKVIndex, b: NativeKVIndex, q: list[int]) -> None:
+    """query_columns: the same answers by holder (holder ids agree too: both reuse the lowest free id)."""
+    ca, cb = a.query_columns(q), b.query_columns(q)
+    assert [c.tolist() for c in ca] == [c.tolist() for c in cb]
+    hs = a.holders()
+    assert a.holder_ids(hs).tolist() == b.holder_ids(hs).tolist()
 
 
 SAMPLE = [

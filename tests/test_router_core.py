@@ -383,7 +383,7 @@ def test_p2p_plan_pulls_from_an_overloaded_holder(mode: str) -> None:
 
 
 def test_one_kv_index_query_per_decision() -> None:
-    """The snapshot's KV-fit check and the scheduler's prefix hits share one query of the index."""
+    """The snapshot's KV-fit check and the scheduler's prefix hits share one query of the index (in either form)."""
 
     class Counting(KVIndex):
         queries = 0
@@ -392,8 +392,28 @@ def test_one_kv_index_query_per_decision() -> None:
             Counting.queries += 1
             return super().query(block_hashes)
 
+        def query_columns(self, block_hashes: Sequence[int]) -> Any:
+            Counting.queries += 1
+            return super().query_columns(block_hashes)
+
     core = make_core([pod("e0"), pod("e1")], index=Counting())
     _placed(core, 1, 40)
     Counting.queries = 0
     admitted(core, job(1, 41), 1.0)
     assert Counting.queries == 1
+
+
+def test_gauges_are_read_again_only_after_a_write() -> None:
+    """The core keeps its gauge columns between decisions until some rank's gauges are written (RankState.written,
+    counted on every write however it is made)."""
+    p = pod("e0")
+    core = make_core([p, pod("e1")])
+    first = core.snapshot(set()).columns
+    again = core.snapshot(set()).columns
+    assert again.waiting.tolist() == first.waiting.tolist() == [0, 0]
+    before = type(p.ranks[0]).written
+    p.ranks[0].engine_id = "x"  # not a gauge
+    assert type(p.ranks[0]).written == before
+    p.ranks[0].waiting = 7
+    assert type(p.ranks[0]).written == before + 1
+    assert core.snapshot(set()).columns.waiting.tolist() == [7, 0]

@@ -326,6 +326,45 @@ def test_speculative_partial_prefix_binary_search() -> None:
     assert sp.match(h, now=0.0) == {(f"p{k}", 0): k for k in (1, 2, 37, 99, 100)}
 
 
+def _match_by_ids(sp: SpeculativeIndex, h: list[int], now: float, floor: dict) -> dict:
+    got = sp.match_ids(h, now)
+    holders = sorted(sp._by_holder)
+    ids = sp.holder_ids(holders)
+    return {k: v for k, v in zip(holders, got[ids].tolist(), strict=True) if v > floor.get(k, 0)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([60, 400, 1_000_000]))
+def test_speculative_match_ids_is_match(seed, max_blocks) -> None:
+    """match_ids (every holder in one walk of the mirror index) answers as match (holder by holder), through
+    inserts, expiry, pruning, the block bound and forgotten pods."""
+    rng = random.Random(seed)
+    sp = SpeculativeIndex(ttl_s=2.0, max_blocks=max_blocks)
+    holders = [(f"p{k}", r) for k in range(4) for r in range(3)]
+    system = [rng.getrandbits(64) for _ in range(5)]
+    chains = [system]
+    now = 0.0
+    for _ in range(60):
+        now += rng.choice((0.0, 0.1, 0.5, 1.5))
+        r = rng.random()
+        if r < 0.5:
+            base = rng.choice(chains)
+            chain = base[: rng.randrange(1, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+            chains.append(chain)
+            for holder in rng.sample(holders, rng.choice((1, 1, 2))):
+                sp.insert(holder, chain, now)
+        elif r < 0.55:
+            sp.forget_pod(rng.choice(holders)[0])
+        elif r < 0.6:
+            sp.prune(now)
+        req = rng.choice(chains)
+        req = req[: rng.randrange(1, len(req) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 3))]
+        at = now + rng.choice((0.0, 0.05, 1.0, 2.5))  # a match before the next insert: some entries expired unpruned
+        floor = {h: rng.randrange(0, 8) for h in rng.sample(holders, 4)}
+        assert _match_by_ids(sp, req, at, floor) == sp.match(req, at, floor)
+        assert _match_by_ids(sp, req, at, {}) == sp.match(req, at)
+
+
 # --- picker ---------------------------------------------------------------------------------------------------------
 
 

@@ -755,20 +755,19 @@ static uint32_t walk_change(const Core *c, Match *alive, uint32_t nalive, Match 
     return k;
 }
 
-/* query(hashes) -> [PrefixMatch]: every holder of the first block, its consecutive cached prefix; longest first, then
- * most in GPU, then by holder. Probes run PREFETCH_AHEAD blocks ahead of the walk, so cache misses overlap. */
-static PyObject *Core_query(Core *c, PyObject *arg) {
+/* The walk behind both query forms: every holder of the first block, its consecutive cached prefix, unsorted, in
+ * *out (PyMem; NULL with *nout 0 when nobody holds the first block). Probes run PREFETCH_AHEAD blocks ahead of the
+ * walk, so cache misses overlap. -1 on error (exception set). */
+static int walk(Core *c, PyObject *arg, Match **out, uint32_t *nout) {
     uint64_t *keys;
+    *out = NULL;
+    *nout = 0;
     Py_ssize_t n = read_keys(arg, &keys);
-    if (n < 0) return NULL;
-    if (n == 0 || c->count == 0) {
-        PyMem_Free(keys);
-        return PyList_New(0);
-    }
-    uint32_t e0 = find(c, keys[0]);
+    if (n < 0) return -1;
+    uint32_t e0 = n && c->count ? find(c, keys[0]) : 0;
     if (!e0) {
         PyMem_Free(keys);
-        return PyList_New(0);
+        return 0;
     }
     uint32_t nw = c->nwords, nh = nw * 32;
     Match *alive = PyMem_Malloc(nh * sizeof(Match)), *done = PyMem_Malloc(nh * sizeof(Match));
@@ -779,7 +778,8 @@ static PyObject *Core_query(Core *c, PyObject *arg) {
         PyMem_Free(done);
         PyMem_Free(restr);
         PyMem_Free(aliveset);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     uint32_t nalive = 0, ndone = 0, m0 = c->msk[e0];
     const uint64_t *w0 = c->mw + (size_t)m0 * nw;
@@ -831,8 +831,19 @@ static PyObject *Core_query(Core *c, PyObject *arg) {
     PyMem_Free(alive);
     PyMem_Free(restr);
     PyMem_Free(aliveset);
+    *out = done;
+    *nout = ndone;
+    return 0;
+}
+
+/* query(hashes) -> [PrefixMatch]: every holder of the first block, its consecutive cached prefix; longest first, then
+ * most in GPU, then by holder. */
+static PyObject *Core_query(Core *c, PyObject *arg) {
+    Match *done;
+    uint32_t ndone;
+    if (walk(c, arg, &done, &ndone) < 0) return NULL;
     for (uint32_t d = 0; d < ndone; d++) done[d].rank = done[d].hid < c->nrank ? c->rank[done[d].hid] : done[d].hid;
-    qsort(done, ndone, sizeof(Match), match_cmp);
+    if (ndone) qsort(done, ndone, sizeof(Match), match_cmp);
     PyObject *out = PyList_New(ndone);
     PyTypeObject *tp = (PyTypeObject *)c->pm_type;
     for (uint32_t d = 0; out && d < ndone; d++) {
@@ -851,6 +862,40 @@ static PyObject *Core_query(Core *c, PyObject *arg) {
     }
     PyMem_Free(done);
     return out;
+}
+
+/* query_into(hashes, out): the walk's answer by holder id, into `out`, a writable C-contiguous int64 buffer of 3 rows
+ * of equal length (blocks_any, blocks_gpu, blocks_gpu_prefix; zeroed by the caller): row[hid] for each holder of the
+ * first block. No object per holder and no sort: the router gathers its columns from it. */
+static PyObject *Core_query_into(Core *c, PyObject *args) {
+    PyObject *seq, *buf;
+    if (!PyArg_ParseTuple(args, "OO", &seq, &buf)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (view.itemsize != 8 || !view.format || (strcmp(view.format, "q") && strcmp(view.format, "l")) ||
+        view.len % (3 * 8)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "query_into needs an int64 buffer of 3 equal rows");
+        return NULL;
+    }
+    int64_t *rows = view.buf;
+    size_t width = (size_t)view.len / (3 * 8);
+    Match *done;
+    uint32_t ndone;
+    if (walk(c, seq, &done, &ndone) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    for (uint32_t d = 0; d < ndone; d++) {
+        size_t h = done[d].hid;
+        if (h >= width) continue; /* an id the caller did not know of: it cannot have asked about it */
+        rows[h] = done[d].any;
+        rows[width + h] = done[d].gpu;
+        rows[2 * width + h] = done[d].prefix;
+    }
+    PyMem_Free(done);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(ndone);
 }
 
 /* holders_of(hash) -> the mask's set bits as a list of bit positions (GPU 2*id, CPU 2*id+1). */
@@ -1325,6 +1370,7 @@ static PyMethodDef Core_methods[] = {
     {"clear", (PyCFunction)Core_clear, METH_O, NULL},
     {"set_order", (PyCFunction)Core_set_order, METH_O, NULL},
     {"query", (PyCFunction)Core_query, METH_O, NULL},
+    {"query_into", (PyCFunction)Core_query_into, METH_VARARGS, NULL},
     {"bits_of", (PyCFunction)Core_bits_of, METH_O, NULL},
     {"contains", (PyCFunction)Core_contains, METH_O, NULL},
     {"keys", (PyCFunction)Core_keys, METH_NOARGS, NULL},

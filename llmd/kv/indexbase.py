@@ -7,10 +7,13 @@ The storage (which holder holds which block, in which tier, and the recency orde
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from llmd.kv.events import EventBatch, KVCacheEvent
 
@@ -32,6 +35,22 @@ class PrefixMatch(NamedTuple):
     blocks_any: int
     blocks_gpu: int
     blocks_gpu_prefix: int
+
+
+class PrefixColumns(NamedTuple):
+    """`query`'s answer by holder id, for callers that want columns, not one PrefixMatch per holder: element i of
+    each array is holder id i's match (0 where id i does not hold the first block; every holder that does has
+    blocks_any >= 1). Each array has one more element than there are ids, a 0 at -1: `holder_ids` maps a holder the
+    index does not know to -1, so `cols.blocks_any[index.holder_ids(holders)]` is aligned with `holders`."""
+
+    blocks_any: np.ndarray
+    blocks_gpu: np.ndarray
+    blocks_gpu_prefix: np.ndarray
+
+
+# Holder-id versions are unique across indexes, so a cache of `holder_ids` keyed by the version alone cannot mix
+# two indexes up.
+_ID_VERSIONS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +102,7 @@ class IndexBase:
         self._ids = {}
         self._holders = []
         self._free = []
+        self.ids_version = next(_ID_VERSIONS)  # changes whenever a holder gets or loses an id
         self._seq: dict[Hashable, _SeqState] = {}
         self._gaps: deque[Gap] = deque(maxlen=gap_log)
         self.clears = 0
@@ -101,6 +121,7 @@ class IndexBase:
             hid = len(self._holders)
             self._holders.append(holder)
         self._ids[holder] = hid
+        self.ids_version = next(_ID_VERSIONS)
         return hid
 
     def _release_ids(self, ids: Sequence[int]) -> None:
@@ -109,9 +130,19 @@ class IndexBase:
             self._holders[hid] = None
             del self._ids[holder]  # type: ignore[arg-type]
             heapq.heappush(self._free, hid)
+        self.ids_version = next(_ID_VERSIONS)
 
     def holders(self) -> list[Holder]:
         return sorted(self._ids)
+
+    def holder_ids(self, holders: Iterable[Holder]) -> np.ndarray:
+        """Each holder's id, -1 for one the index does not know (as `query_columns` reads it); valid until
+        `ids_version` changes."""
+        return np.fromiter(map(self._ids.get, holders, itertools.repeat(-1)), np.intp)
+
+    def _columns_buffer(self) -> np.ndarray:
+        """Zeroed rows for `query_columns`: one element per holder id, and the 0 at -1."""
+        return np.zeros((3, len(self._holders) + 1), np.int64)
 
     # --- updates ----------------------------------------------------------------------------------------------------
     def apply_events(self, holder: Holder, events: Iterable[KVCacheEvent]) -> None:

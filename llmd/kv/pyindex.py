@@ -14,8 +14,10 @@ from collections.abc import Iterable, Sequence
 from itertools import compress, groupby, islice
 from typing import Any
 
+import numpy as np
+
 from llmd.kv.events import CLEARED, REMOVED, STORED, BlockStored, KVCacheEvent
-from llmd.kv.indexbase import _GPU_MEDIA, CPU, GPU, Holder, IndexBase, PrefixMatch, default_evict_batch
+from llmd.kv.indexbase import _GPU_MEDIA, CPU, GPU, Holder, IndexBase, PrefixColumns, PrefixMatch, default_evict_batch
 
 
 def _common_prefix(a: list[Any], b: list[Any]) -> int:
@@ -43,6 +45,7 @@ def _bits(mask: int) -> Iterable[int]:
 
 
 _ONE = "1".__eq__
+_DIGIT_ONE = ord("1")
 
 
 class _Walk:
@@ -99,11 +102,15 @@ class _Walk:
         self.alive = new_even | (new_even << 1)
         return self.alive
 
+    def finish(self, n: int) -> None:
+        """The walk reached block n (the request's end, or nobody is left): every group has ended."""
+        if self.alive_even:
+            self.change(n, 0)
+
     def result(self, n: int, holders: list[Holder | None], order: list[tuple[int, Holder]]) -> list[PrefixMatch]:
         """The matches, longest first, then most in GPU, then by holder; `order`: (GPU bit, holder) of every holder
         in holder order, read through for a group of many holders (a few are sorted instead)."""
-        if self.alive_even:
-            self.change(n, 0)
+        self.finish(n)
         by_len: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for mask, blocks_any, blocks_gpu, prefix in self.ended:
             by_len.setdefault((blocks_any, blocks_gpu), []).append((mask, prefix))
@@ -147,7 +154,8 @@ class PyKVIndex(IndexBase):
 
     Updates: `apply`/`ingest` per event batch (`ingest` also checks the publisher's sequence numbers),
     `apply_events` per holder, `store`/`remove` in bulk (index builds, simulators), `clear_holder`, `drop_pod`.
-    Reads: `query`, `holders_of`, `len`, `in`, `holders`, `stats`, `gaps`. Hashes are 64-bit ints (`hash64`).
+    Reads: `query` (or `query_columns` with `holder_ids`), `holders_of`, `len`, `in`, `holders`, `stats`, `gaps`.
+    Hashes are 64-bit ints (`hash64`).
     """
 
     def __init__(self, max_entries: int = 10_000_000, *, evict_batch: int | None = None, gap_log: int = 1024) -> None:
@@ -438,7 +446,31 @@ class PyKVIndex(IndexBase):
 
     # --- queries ----------------------------------------------------------------------------------------------------
     def query(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
-        """For every holder of the first block, its longest consecutive cached prefix; longest first.
+        """For every holder of the first block, its longest consecutive cached prefix; longest first."""
+        st = self._walk(block_hashes)
+        if st is None:
+            return []
+        order = self._order
+        if order is None:
+            order = self._order = [(1 << (2 * hid), h) for h, hid in sorted(self._ids.items())]
+        return st.result(len(block_hashes), self._holders, order)
+
+    def query_columns(self, block_hashes: Sequence[int]) -> PrefixColumns:
+        """`query`'s answer by holder id (PrefixColumns), a group of holders at a time."""
+        out = self._columns_buffer()
+        st = self._walk(block_hashes)
+        if st is not None:
+            st.finish(len(block_hashes))
+            for mask, blocks_any, blocks_gpu, prefix in st.ended:
+                # the mask's GPU bits (2 * id) from its binary digits, lowest first: C speed, no bigint per holder
+                ids = np.flatnonzero(np.frombuffer(bin(mask)[:1:-1].encode(), np.uint8) == _DIGIT_ONE) >> 1
+                out[0, ids] = blocks_any
+                out[1, ids] = blocks_gpu
+                out[2, ids] = prefix
+        return PrefixColumns(out[0], out[1], out[2])
+
+    def _walk(self, block_hashes: Sequence[int]) -> _Walk | None:
+        """The walk behind both query forms; None when nobody holds the first block.
 
         The request is matched against stored runs a slice at a time (C-speed list compares and run-length grouping
         of the masks); per-holder work happens only where the set of matching holders or their tiers change, and
@@ -447,12 +479,12 @@ class PyKVIndex(IndexBase):
         req = block_hashes if type(block_hashes) is list else list(block_hashes)
         n = len(req)
         if not n:
-            return []
+            return None
         where_get = self._where.get
         segs = self._segs
         loc = where_get(req[0])
         if loc is None:
-            return []
+            return None
         s = segs[loc >> _OFF_BITS]
         off = loc & _OFF_MASK
         m = s.masks[off]
@@ -490,10 +522,7 @@ class PyKVIndex(IndexBase):
                 break
             s = segs[loc >> _OFF_BITS]
             off = loc & _OFF_MASK
-        order = self._order
-        if order is None:
-            order = self._order = [(1 << (2 * hid), h) for h, hid in sorted(self._ids.items())]
-        return st.result(n, self._holders, order)
+        return st
 
     def holders_of(self, block_hash: int) -> dict[Holder, tuple[str, ...]]:
         """Who holds one block, and in which tiers ("GPU", "CPU")."""

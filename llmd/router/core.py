@@ -9,9 +9,11 @@ pod to take down, whether to retry or give up. Time comes in as `now` (seconds, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
+
+import numpy as np
 
 from llmd.router import pd as hops
 from llmd.router.admission import QueueFull, Rate, WaitQueue, retry_after
@@ -23,7 +25,7 @@ from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
 
 if TYPE_CHECKING:
-    from llmd.kv.index import KVIndex, PrefixMatch
+    from llmd.kv.index import KVIndex, PrefixColumns, PrefixMatch
 
 # Asked-for re-runs of the queue come this much after the patience runs out, so the request has waited it all.
 _WAKE_MARGIN_S = 0.001
@@ -84,26 +86,35 @@ def _snapshot_order(ep: Endpoint) -> tuple[str, int, str, str]:
 
 class _QueriedIndex:
     """The KV index with one query answered already: the snapshot's KV-fit check and the scheduler's prefix hits ask
-    the same question of it within one decision (and both want each holder's GPU blocks of it)."""
+    the same question of it within one decision, both by holder id (`query_columns`); the list form is asked of the
+    index only by a list-based reader."""
 
-    __slots__ = ("gpu", "hashes", "index", "matches")
+    __slots__ = ("columns", "hashes", "index", "matches")
 
-    def __init__(
-        self, index: KVIndex, hashes: Sequence[int], matches: list[PrefixMatch], gpu: dict[tuple[str, int], int]
-    ) -> None:
+    def __init__(self, index: KVIndex, hashes: Sequence[int], columns: PrefixColumns) -> None:
         self.index = index
         self.hashes = hashes
-        self.matches = matches
-        self.gpu = gpu
+        self.columns = columns
+        self.matches: list[PrefixMatch] | None = None
+
+    @property
+    def ids_version(self) -> int:
+        return self.index.ids_version
+
+    def holder_ids(self, holders: Iterable[tuple[str, int]]) -> np.ndarray:
+        return self.index.holder_ids(holders)
+
+    def query_columns(self, block_hashes: Sequence[int]) -> PrefixColumns:
+        if block_hashes is self.hashes:
+            return self.columns
+        return self.index.query_columns(block_hashes)
 
     def query(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
-        if block_hashes is self.hashes:
-            return self.matches
-        return self.index.query(block_hashes)
-
-    def gpu_blocks(self, block_hashes: Sequence[int]) -> dict[tuple[str, int], int] | None:
-        """{holder: blocks_gpu} of `query(block_hashes)`, when that is the query answered already."""
-        return self.gpu if block_hashes is self.hashes else None
+        if block_hashes is not self.hashes:
+            return self.index.query(block_hashes)
+        if self.matches is None:
+            self.matches = self.index.query(block_hashes)
+        return self.matches
 
 
 class RouterCore:
@@ -261,7 +272,7 @@ class RouterCore:
         return self._fleet
 
     def _columns(
-        self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | None = None
+        self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | np.ndarray | None = None
     ) -> RequestColumns:
         hashes, unit, _ = kv
         return self._routable().columns(excluded, hashes, unit, cached)
@@ -288,16 +299,17 @@ class RouterCore:
         unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit, req.block_size)
         kv = (hashes, unit, extra)
         index: Any = self.index
-        cached: dict[tuple[str, int], int] | None = None
+        cached: np.ndarray | None = None
         if unit and hashes:
+            fleet = self._routable()
             if self._cached_from_index:
-                # One index query for the KV-fit check and the scheduler's prefix hits (same hashes, same moment).
-                matches = self.index.query(hashes)
-                holders, _, gpus, _ = zip(*matches, strict=True) if matches else ((), (), (), ())
-                cached = dict(zip(holders, gpus, strict=True))
-                index = _QueriedIndex(self.index, hashes, matches, cached)
+                # One index query for the KV-fit check and the scheduler's prefix hits (same hashes, same moment),
+                # by holder id: each endpoint's GPU blocks are a gather, not a loop over the holders.
+                got = self.index.query_columns(hashes)
+                cached = got.blocks_gpu[fleet.holder_ids(self.index)]
+                index = _QueriedIndex(self.index, hashes, got)
             else:
-                cached = {}
+                cached = fleet.no_blocks
         cols = self._columns(job.excluded, kv, cached)
         serving = cols.routable("decode")  # every endpoint not in the prefill pool (the core's are all healthy)
         if job.excluded and not len(serving):

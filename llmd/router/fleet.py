@@ -1,8 +1,8 @@
 """The router core's routable endpoints as columns (scheduling.columns), kept current between decisions.
 
 The ledger's columns change only where a request is taken or given back, so they are updated from the loads the
-ledger touched since the last decision, not re-read for every endpoint. The engines' gauges are written by the driver
-without telling anyone, so they are read in bulk per decision. What the request being routed shares with the KV in
+ledger touched since the last decision, not re-read for every endpoint. The engines' gauges are re-read in bulk when
+any was written since the last decision (RankState.written). What the request being routed shares with the KV in
 flight at an endpoint (inflight_kv_tokens) is worked out only where it can decide a fit.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from llmd.router.ledger import Ledger, Load
 from llmd.router.pods import RankState
-from llmd.router.scheduling.columns import I64, Columns, kv_need, role_masks
+from llmd.router.scheduling.columns import I64, Columns, HolderIds, kv_need, role_masks
 from llmd.router.scheduling.state import Endpoint, EndpointState, Holder
 
 # The gauges the pipeline reads for every endpoint of a hop, read per decision; `running` and `cpu_capacity_blocks`
@@ -43,6 +43,35 @@ class Fleet:
             self._read(i)
         self._ledger = ledger
         ledger.touched.clear()
+        self._gauges: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.no_blocks = np.zeros(n, I64)  # `cached` of a request the index holds nothing of
+        self._ids: dict[int, np.ndarray] = {}  # ids_version -> the endpoints' holder ids
+
+    def gauges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """waiting, kv_usage and kv_capacity_blocks of every endpoint, as the engines report them now: re-read only
+        when some rank's gauges were written since (RankState.written)."""
+        written = RankState.written
+        got = self._gauges
+        if got is None or got[0] != written:
+            ranks, n = self.ranks, len(self.ranks)
+            got = self._gauges = (
+                written,
+                np.fromiter(map(_WAITING, ranks), I64, n),
+                np.fromiter(map(_KV_USAGE, ranks), np.float64, n),
+                np.fromiter(map(_KV_CAPACITY, ranks), I64, n),
+            )
+        return got[1], got[2], got[3]
+
+    def holder_ids(self, index: HolderIds) -> np.ndarray:
+        """An index's id of each endpoint's holder (-1: none), kept until its ids change (the KV index's and the
+        speculative index's ids are both read per decision; versions are unique across indexes)."""
+        version = index.ids_version
+        got = self._ids.get(version)
+        if got is None:
+            if len(self._ids) >= 8:  # older versions of the indexes' ids: never asked for again
+                self._ids.clear()
+            got = self._ids[version] = index.holder_ids(ep.holder for ep in self.endpoints)
+        return got
 
     def _read(self, i: int) -> None:
         ld = self.loads[i]
@@ -55,10 +84,11 @@ class Fleet:
         excluded: set[str],
         hashes: Sequence[int],
         unit: int,
-        cached: dict[Holder, int] | None,
+        cached: dict[Holder, int] | np.ndarray | None,
     ) -> RequestColumns:
         """This moment's columns for one request (`hashes`, `unit`: its InflightKV key; `cached`: as
-        RouterCore.snapshot's), without the endpoints of the `excluded` pods."""
+        RouterCore.snapshot's, or those GPU blocks as a column aligned with the fleet), without the endpoints of the
+        `excluded` pods."""
         touched = self._ledger.touched
         if touched:
             at = self._at
@@ -69,6 +99,8 @@ class Fleet:
         sel = None
         if excluded:
             sel = np.array([i for i, ep in enumerate(self.endpoints) if ep.pod not in excluded], dtype=np.intp)
+        if isinstance(cached, dict):
+            cached = np.fromiter((cached.get(ep.holder, 0) for ep in self.endpoints), I64, len(self.endpoints))
         return RequestColumns(self, sel, hashes, unit, cached)
 
 
@@ -77,12 +109,14 @@ class RequestColumns(Columns):
     now, and inflight_kv_tokens less what the request shares with the KV in flight there (RouterCore.snapshot)."""
 
     def __init__(
-        self, fleet: Fleet, sel: np.ndarray | None, hashes: Sequence[int], unit: int, cached: dict[Holder, int] | None
+        self, fleet: Fleet, sel: np.ndarray | None, hashes: Sequence[int], unit: int, cached: np.ndarray | None
     ) -> None:
+        waiting, kv_usage, kv_capacity = fleet.gauges()
         if sel is None:
             endpoints, ranks, loads = fleet.endpoints, fleet.ranks, fleet.loads
             roles, slot = fleet.roles, fleet.slot
             inflight, inflight_tokens, kv = fleet.inflight.copy(), fleet.inflight_tokens.copy(), fleet.kv_tokens.copy()
+            waiting, kv_usage, kv_capacity = waiting.copy(), kv_usage.copy(), kv_capacity.copy()
         else:
             take = sel.tolist()
             endpoints = [fleet.endpoints[i] for i in take]
@@ -90,15 +124,16 @@ class RequestColumns(Columns):
             loads = [fleet.loads[i] for i in take]
             roles, slot = {hop: m[sel] for hop, m in fleet.roles.items()}, None
             inflight, inflight_tokens, kv = fleet.inflight[sel], fleet.inflight_tokens[sel], fleet.kv_tokens[sel]
+            waiting, kv_usage, kv_capacity = waiting[sel], kv_usage[sel], kv_capacity[sel]
         n = len(endpoints)
         super().__init__(
             endpoints,
             healthy=np.ones(n, dtype=bool),
-            waiting=np.fromiter(map(_WAITING, ranks), I64, n),
-            kv_usage=np.fromiter(map(_KV_USAGE, ranks), np.float64, n),
+            waiting=waiting,
+            kv_usage=kv_usage,
             inflight=inflight,
             inflight_tokens=inflight_tokens,
-            kv_capacity_blocks=np.fromiter(map(_KV_CAPACITY, ranks), I64, n),
+            kv_capacity_blocks=kv_capacity,
             roles=roles,
             slot=slot,
         )
@@ -107,7 +142,9 @@ class RequestColumns(Columns):
         self._loads = loads
         self._hashes = hashes
         self._unit = unit
-        self._cached = cached
+        self._cached = cached if cached is None or sel is None else cached[sel]  # GPU blocks cached, per endpoint
+        self._fleet = fleet
+        self._sel = sel
         self._exact: dict[int, int] = {}
         self._states: dict[int, EndpointState] = {}
 
@@ -121,7 +158,7 @@ class RequestColumns(Columns):
             if unit and got:
                 cached = self._cached
                 n = len(self._hashes)
-                upto = n if cached is None else cached.get(self.endpoints[i].holder, 0)
+                upto = n if cached is None else int(cached[i])
                 if upto:
                     got -= self._loads[i].kv.held_prefix(self._hashes, 0, min(upto, n)) * unit
             self._exact[i] = got
@@ -129,6 +166,11 @@ class RequestColumns(Columns):
 
     def _inflight_kv(self, idx: np.ndarray) -> np.ndarray:
         return np.array([self.inflight_kv(i) for i in idx.tolist()], dtype=I64)
+
+    def holder_ids(self, index: HolderIds) -> np.ndarray:
+        """Columns.holder_ids from the fleet's, which it keeps across decisions."""
+        ids = self._fleet.holder_ids(index)
+        return ids if self._sel is None else ids[self._sel]
 
     def kv_fits(self, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
         """Columns.kv_fits, working out what the request shares only where the KV in flight without it does not

@@ -8,13 +8,22 @@ ledger (llmd.router.ledger), not here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from llmd.discovery import PodInfo
+
+_GAUGES = frozenset({"running", "waiting", "kv_usage", "kv_capacity_blocks", "cpu_capacity_blocks"})
 
 
 @dataclass
 class RankState:
-    """One DP rank's load as its engine reports it (/metrics, at most one poll interval old)."""
+    """One DP rank's load as its engine reports it (/metrics, at most one poll interval old).
+
+    `RankState.written` counts writes of the gauges, of every rank: a reader that saw the same count last time reads
+    the same gauges (the router core keeps its gauge columns from one decision to the next until it moves). Counted in
+    `__setattr__`, so no writer (scrape, simulator, test) can forget to."""
+
+    written: ClassVar[int] = 0
 
     running: int = 0
     waiting: int = 0
@@ -24,6 +33,11 @@ class RankState:
     cpu_capacity_blocks: int = 0
     engine_id: str | None = None  # learned from a prefill response's kv_transfer_params
     side_channel: tuple[str, int] | None = None  # likewise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _GAUGES:
+            RankState.written += 1
 
 
 @dataclass

@@ -8,7 +8,8 @@ names. Every value is the one the candidate's state holds, so the array pipeline
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -20,6 +21,14 @@ I64 = np.int64
 def kv_need(need_tokens: int, block_size: int) -> int:
     """filters.kv_fits' need: blocks are allocated whole."""
     return -(-need_tokens // block_size) * block_size if block_size > 0 else need_tokens
+
+
+class HolderIds(Protocol):
+    """What maps holders to a KV index's holder ids (KVIndex, or the speculative index's own)."""
+
+    ids_version: int
+
+    def holder_ids(self, holders: Iterable[Holder]) -> np.ndarray: ...
 
 
 class Columns:
@@ -53,6 +62,7 @@ class Columns:
         self._routable: dict[Hop, np.ndarray] = {}
         self._slot = slot  # holder -> position, when given (the router core keeps its own)
         self._holders: list[Holder] | None = None
+        self._ids: dict[int, np.ndarray] = {}
 
     @classmethod
     def of(cls, cands: Sequence[Candidate]) -> Columns:
@@ -89,6 +99,14 @@ class Columns:
             slot = {h: i for i, h in enumerate(hs)}
             self._slot = slot if len(slot) == len(hs) else {}
         return self._slot or None
+
+    def holder_ids(self, index: HolderIds) -> np.ndarray:
+        """Each endpoint's holder id in `index` (-1: none there), so a by-id answer gathers into a column."""
+        version = index.ids_version
+        got = self._ids.get(version)
+        if got is None:
+            got = self._ids[version] = index.holder_ids(self.holders)
+        return got
 
     def routable(self, hop: Hop) -> np.ndarray:
         """Positions of the healthy endpoints that may take `hop` (filters.routable), ascending."""

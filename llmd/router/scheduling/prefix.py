@@ -117,10 +117,7 @@ class PrecisePrefixScorer(_PrefixScorer):
             matches = ctx.index.query(hashes) if ctx.index is not None else []
             spec: dict[Holder, int] = {}
             if self.speculative is not None:
-                gpu_of = getattr(ctx.index, "gpu_blocks", None)  # the router core's index has the dict made already
-                floor = gpu_of(hashes) if gpu_of is not None else None
-                if floor is None:
-                    floor = {holder: gpu for holder, _, gpu, _ in matches}
+                floor = {holder: gpu for holder, _, gpu, _ in matches}
                 spec = self.speculative.match(hashes, ctx.now, floor)
             pop = spec.pop if spec else None
             made: dict[int, PrefixHit] = {}  # most holders hold the same prefix (a shared system prompt): one hit each
@@ -144,55 +141,40 @@ class PrecisePrefixScorer(_PrefixScorer):
         return PrefixHits(by, n)
 
     def _hit_columns(self, ctx: ScoringContext) -> HitColumns:
-        """`_hits`, straight from the index's matches into arrays (no PrefixHit per holder)."""
+        """`_hits` as columns: the index's and the speculative entries' answers by holder id gathered into them (no
+        PrefixHit, and no Python step, per holder)."""
         cols = ctx.columns
         assert cols is not None
-        slot = cols.slot_of()
-        if slot is None:
-            return super()._hit_columns(ctx)
         req = ctx.req
         hashes = req.block_hashes
         n = len(hashes)
         m = cols.n
-        held = np.zeros(m, I64)
-        gpu = np.zeros(m, I64)
-        has = np.zeros(m, bool)
         if not n:
-            return HitColumns(0, has, gpu, held, gpu, held)
+            held = np.zeros(m, I64)
+            return HitColumns(0, np.zeros(m, bool), held, held, held, held)
         bs = req.block_size
         cap = req.num_tokens if req.num_tokens > 0 else n * bs
-        matches = ctx.index.query(hashes) if ctx.index is not None else []
-        if matches:
-            holders, blocks_any, blocks_gpu, _ = zip(*matches, strict=True)
-            pos = list(map(slot.get, holders))
-            if None in pos:  # holders the snapshot does not list (down, excluded)
-                keep = [k for k, p in enumerate(pos) if p is not None]
-                pos = [pos[k] for k in keep]
-                blocks_any = tuple(blocks_any[k] for k in keep)
-                blocks_gpu = tuple(blocks_gpu[k] for k in keep)
-            at = np.array(pos, dtype=np.intp)
-            held[at] = blocks_any
-            gpu[at] = blocks_gpu
-            has[at] = True
-        if self.speculative is not None:
-            gpu_of = getattr(ctx.index, "gpu_blocks", None)
-            floor = gpu_of(hashes) if gpu_of is not None else None
-            if floor is None:
-                floor = {holder: g for holder, _, g, _ in matches}
-            spec = self.speculative.match(hashes, ctx.now, floor)
-            if spec:
-                # As `_hits` does holder by holder: a speculative prefix at least as long as the real one replaces
-                # it; a shorter one (still longer than the real GPU blocks) counts as the GPU share only.
-                at = np.array([slot.get(h, -1) for h in spec], dtype=np.intp)
-                s = np.fromiter(spec.values(), I64, len(spec))
-                listed = at >= 0
-                at, s = at[listed], s[listed]
-                longer = s >= held[at]
-                held[at[longer]] = s[longer]
-                gpu[at[longer]] = s[longer]
-                shorter = ~longer & (s != 0)
-                gpu[at[shorter]] = s[shorter]
-                has[at] = True
+        if ctx.index is not None:
+            got = ctx.index.query_columns(hashes)
+            ids = cols.holder_ids(ctx.index)
+            held = got.blocks_any[ids]  # fancy indexing: fresh arrays, ours to change
+            gpu = got.blocks_gpu[ids]
+        else:
+            held = np.zeros(m, I64)
+            gpu = np.zeros(m, I64)
+        has = held > 0  # every holder of the first block holds at least it
+        spec = self.speculative
+        if spec is not None:
+            s = spec.match_ids(hashes, ctx.now)[cols.holder_ids(spec)]
+            # As `_hits` does holder by holder: a speculative prefix counts only where it beats the real GPU blocks
+            # (`match`'s floor); at least as long as the real prefix it replaces it, shorter it is the GPU share.
+            s[s <= gpu] = 0
+            on = s > 0
+            if on.any():
+                longer = on & (s >= held)
+                held[longer] = s[longer]
+                gpu[on] = s[on]
+                has |= on
         gpu_t = np.minimum(cap, gpu * bs)
         return HitColumns(n, has, gpu, held - gpu, gpu_t, np.minimum(cap, held * bs) - gpu_t)
 

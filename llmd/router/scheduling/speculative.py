@@ -10,10 +10,17 @@ Pure: time is passed in. Bounded: at most `max_blocks` entries, oldest dropped f
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
-from itertools import repeat
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import compress, filterfalse, repeat
+from operator import eq
 
+import numpy as np
+
+from llmd.kv.index import KVIndex
 from llmd.router.scheduling.state import Holder
+
+# The mirror index never evicts: entries leave it exactly as they leave the holders' dicts.
+_NO_CAP = 1 << 26
 
 
 class SpeculativeIndex:
@@ -22,6 +29,11 @@ class SpeculativeIndex:
     Queries binary-search each holder's chain: a request's blocks are inserted together from its first block, and a
     later insert refreshes every block it shares (a shared block is always a prefix of the later chain), so along a
     chain the expiry never increases and "held and unexpired" is prefix-closed.
+
+    The same blocks are mirrored, per holder, in a KV index (`match_ids`): one walk of the request answers for every
+    holder at once, where `match` looks holder by holder. Inserts come in time order (as `prune` assumes), so only
+    the holders of inserts at the log's front can hold expired entries that are not pruned yet; those alone are
+    looked at one by one.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_blocks: int = 1_000_000) -> None:
@@ -30,6 +42,7 @@ class SpeculativeIndex:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._by_holder: dict[Holder, dict[int, float]] = {}
+        self._held = KVIndex(max_entries=_NO_CAP)  # which holder holds which block: the dicts' keys, as an index
         self._latest: dict[Holder, float] = {}  # newest expiry per holder: lets a drop clear a whole holder at once
         self._log: deque[tuple[float, Holder, tuple[int, ...]]] = deque()  # inserts, oldest first
         self._logged = 0  # blocks in `_log` (an upper bound on entries: refreshed blocks count twice)
@@ -47,6 +60,8 @@ class SpeculativeIndex:
         d = self._by_holder.get(holder)
         if d is None:
             d = self._by_holder[holder] = {}
+        # The mirror needs only the blocks new to this holder (a session's next turn is mostly its last one's).
+        self._held.store(holder, list(filterfalse(d.__contains__, hashes)))
         d.update(zip(hashes, repeat(expiry)))
         self._latest[holder] = max(expiry, self._latest.get(holder, expiry))
         self._log.append((expiry, holder, hashes))
@@ -67,13 +82,13 @@ class SpeculativeIndex:
         if d is None:
             return
         if self._latest[holder] <= expiry:  # nothing newer for this holder: drop it whole
+            self._held.remove(holder, list(d))
             del self._by_holder[holder]
             del self._latest[holder]
             return
-        get = d.get
-        for h in hashes:
-            if get(h) == expiry:  # not refreshed by a later insert
-                del d[h]
+        gone = list(compress(hashes, map(eq, repeat(expiry), map(d.get, hashes))))  # not refreshed by a later insert
+        deque(map(d.pop, gone, repeat(None)), maxlen=0)
+        self._held.remove(holder, gone)
 
     def match(
         self, block_hashes: Sequence[int], now: float, floor: Mapping[Holder, int] | None = None
@@ -85,32 +100,66 @@ class SpeculativeIndex:
         if not n or not self._by_holder:
             return {}
         floor = floor or {}
-        last = block_hashes[n - 1]
         out: dict[Holder, int] = {}
         for holder, d in self._by_holder.items():
-            get = d.get
-            lo = floor.get(holder, 0)  # block_hashes[:lo] needs no look: the caller has it already
-            if lo >= n:
-                continue
-            e = get(block_hashes[lo])
-            if e is None or e <= now:
-                continue
-            e = get(last)
-            if e is not None and e > now:
-                out[holder] = n
-                continue
-            lo, hi = lo + 1, n - 1  # block_hashes[:lo] held; the held prefix is at most hi long
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                e = get(block_hashes[mid - 1])
-                if e is not None and e > now:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[holder] = lo
+            got = _held_prefix(d, block_hashes, floor.get(holder, 0), now)
+            if got:
+                out[holder] = got
         return out
+
+    def match_ids(self, block_hashes: Sequence[int], now: float) -> np.ndarray:
+        """`match` for every holder at once, by holder id (`holder_ids`; a 0 at -1 for holders without entries):
+        each holder's leading blocks of the request held speculatively and unexpired, 0 for none. No floor: the
+        caller compares with its own (`match` reports a holder only where it beats the floor)."""
+        got = self._held.query_columns(block_hashes).blocks_any
+        if not got.any():
+            return got
+        stale: set[Holder] = set()
+        for expiry, holder, _ in self._log:  # expired but not pruned yet: their holders' dicts say what is left
+            if expiry > now:
+                break
+            stale.add(holder)
+        if stale:
+            ids = self._held.holder_ids(stale).tolist()
+            for holder, hid in zip(stale, ids, strict=True):
+                d = self._by_holder.get(holder)
+                got[hid] = _held_prefix(d, block_hashes, 0, now) if d is not None else 0
+        return got
+
+    @property
+    def ids_version(self) -> int:
+        return self._held.ids_version
+
+    def holder_ids(self, holders: Iterable[Holder]) -> np.ndarray:
+        """Each holder's id in `match_ids`' answer, -1 for one without entries; valid while `ids_version` holds."""
+        return self._held.holder_ids(holders)
 
     def forget_pod(self, pod: str) -> None:
         for holder in [h for h in self._by_holder if h[0] == pod]:
             del self._by_holder[holder]
             del self._latest[holder]
+        self._held.drop_pod(pod)
+
+
+def _held_prefix(d: dict[int, float], block_hashes: Sequence[int], lo: int, now: float) -> int:
+    """The leading blocks of the request that `d` holds unexpired, if more than `lo` (the caller has
+    block_hashes[:lo] already, so they need no look), else 0: one probe for a holder whose entries add nothing."""
+    n = len(block_hashes)
+    if lo >= n:
+        return 0
+    get = d.get
+    e = get(block_hashes[lo])
+    if e is None or e <= now:
+        return 0
+    e = get(block_hashes[n - 1])
+    if e is not None and e > now:
+        return n
+    lo, hi = lo + 1, n - 1  # block_hashes[:lo] held; the held prefix is at most hi long
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        e = get(block_hashes[mid - 1])
+        if e is not None and e > now:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
