@@ -8,14 +8,19 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
 - route_ms_p50_544 / route_ms_p99_544: router CPU time of one RouterCore decision (admission, snapshot, KV index query,
   scheduling, ledger) for a ~195K-token turn (~3,050 blocks) over the published 544-endpoint deployment
   (examples/glm52-544gpu.yaml), against a KV index of 20M entries (--index-entries), 400 requests in flight. 200 turns.
-- router_req_per_s: non-streaming completions with short text prompts through `llmd router` (pinned to core 0) in
-  front of 4 simulated engines at time scale 0 (pinned with the client to core 1).
+- router_req_per_s: non-streaming completions with short text prompts through `llmd router --policy precise` (pinned
+  to core 0) in front of 4 simulated engines at time scale 0 (pinned with the client to core 1). Median of the rounds.
+- router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
+  prefix-aware policy cache_aware on the same engines, llmd / sglang, target >= 1.0; router_vs_sglang_round_robin:
+  llmd round-robin / sglang round_robin. The routers take turns, each started afresh, in alternating order over
+  --rounds rounds (the machine is shared and its speed drifts); the median of the rounds' ratios.
 - hit_rate_*: one fixed agentic workload (32 sessions of 10 turns over a shared system prompt, 4 of them forking a
   burst of 6 sub-agents) through the router over 8 simulated engines whose KV caches cannot hold every session
   everywhere; the share of prompt tokens the engines served from cache (their own usage.cached_tokens). The oracle is
   the share an unbounded cache that had seen every earlier prompt would serve. Target: precise >= 0.9 x oracle and
   precise > approximate.
-`python benchmarks/router.py` (~4 minutes); `--quick`: the hit rates only; `--route-544`: the 544-endpoint lines only.
+`python benchmarks/router.py` (~5 minutes); `--quick`: the hit rates only; `--route-544`: the 544-endpoint lines only;
+`--throughput`: the throughput lines only (~1.5 minutes).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _report import info, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+from peers import peers_python, router_cmd  # noqa: E402
 
 from llmd.engines.vllm_server import wait_healthy  # noqa: E402
 from llmd.kv.hashing import BlockHasher, event_hash  # noqa: E402
@@ -244,39 +250,72 @@ def pinned(cmd: list[str], cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu), *cmd] if hasattr(os, "sched_setaffinity") else cmd
 
 
+def start_engines(spec: Path, urls: list[str], log: Path | None = None) -> subprocess.Popen:
+    """`llmd engine sim --all` for `spec`, pinned to core 1 (with the client), once every engine answers."""
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    engines = subprocess.Popen(
+        pinned([sys.executable, "-m", "llmd.cli", "engine", "sim", "--all", "--spec", str(spec), "--log-level",
+                "WARNING"], 1),
+        stdout=out, stderr=subprocess.STDOUT if log is not None else None, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        for u in urls:
+            wait_healthy(u + "/health", engines, 60, name="llmd engine sim --all")
+    except BaseException:
+        stop(engines)
+        raise
+    return engines
+
+
+def start_router(cmd: list[str], port: int, engines: subprocess.Popen, name: str,
+                 log: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    """A router process pinned to core 0, once it answers /health and has had its first health round."""
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    router = subprocess.Popen(pinned(cmd, 0), stdout=out, stderr=subprocess.STDOUT if log is not None else None,
+                              cwd=ROOT)  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [engines, router], 60, name=name)
+        time.sleep(1.5)  # the router's first health round and event subscriptions
+    except BaseException:
+        stop(router)
+        raise
+    return router
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads (the peers are multi-threaded)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop(*procs: subprocess.Popen | None) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 class Stack:
     """`llmd engine sim --all` and `llmd router` for one spec, as separate pinned processes."""
 
     def __init__(self, spec: Path, policy: str, router_port: int, engine_urls: list[str]) -> None:
-        llmd = [sys.executable, "-m", "llmd.cli"]
-        self.engines = subprocess.Popen(
-            pinned([*llmd, "engine", "sim", "--all", "--spec", str(spec), "--log-level", "WARNING"], 1),
-            stdout=subprocess.DEVNULL, cwd=ROOT,
-        )  # fmt: skip
+        self.engines = start_engines(spec, engine_urls)
         self.router = None
         try:
-            for u in engine_urls:
-                wait_healthy(u + "/health", self.engines, 60, name="llmd engine sim --all")
-            self.router = subprocess.Popen(
-                pinned([*llmd, "router", "--spec", str(spec), "--policy", policy, "--port", str(router_port),
-                        "--log-level", "WARNING"], 0),
-                stdout=subprocess.DEVNULL, cwd=ROOT,
-            )  # fmt: skip
-            self.url = f"http://127.0.0.1:{router_port}"
-            wait_healthy(self.url + "/health", [self.engines, self.router], 60, name="llmd router")
-            time.sleep(1.5)  # the router's first health round and event subscriptions
+            cmd = router_cmd("llmd", policy, spec, router_port, engine_urls, None)
+            assert cmd is not None
+            self.router = start_router(cmd, router_port, self.engines, "llmd router")
         except BaseException:
-            self.stop()
+            stop(self.engines)
             raise
+        self.url = f"http://127.0.0.1:{router_port}"
 
     def stop(self) -> None:
-        for p in (self.router, self.engines):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop(self.router, self.engines)
 
 
 def write_spec(path: Path, model: Path, base: int, replicas: int, block: int, gpu_blocks: int | None) -> list[str]:
@@ -319,16 +358,61 @@ async def drive(url: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def throughput(model: Path, tmp: Path) -> None:
+# (label, router kind, policy): llmd and sglang-router with matching policies, llmd's first of each pair. sglang's
+# cache_aware (a radix tree of the prompts' text per worker) is its prefix-aware policy, as precise is llmd's.
+THROUGHPUT_ROUTERS = (
+    ("llmd precise", "llmd", "precise"),
+    ("sglang-router cache_aware", "sglang", "cache_aware"),
+    ("llmd round-robin", "llmd", "round-robin"),
+    ("sglang-router round_robin", "sglang", "round_robin"),
+)
+
+
+def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
+    """router_req_per_s (llmd precise) and its ratio to sglang-router's on the same engines: each router in turn,
+    started afresh, in alternating order round by round (the machine is shared; its speed drifts), and the median of
+    the rounds' ratios."""
     base = free_base()
     spec = tmp / "rps.yaml"
     urls = write_spec(spec, model, base, 4, 16, None)
-    stack = Stack(spec, "precise", base - 100, urls)
+    peers = peers_python()
+    routers = [r for r in THROUGHPUT_ROUTERS if r[1] == "llmd" or peers is not None]
+    rps: dict[str, list[float]] = {label: [] for label, _, _ in routers}
+    cpu: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # router CPU seconds per request
+    # sglang-router probes each worker for HTTP/2 (gRPC) at start; the engines log the refusals: to a file.
+    engines = start_engines(spec, urls, tmp / "rps-engines.log")
     try:
-        rps = asyncio.run(drive(stack.url, 5000, 64))
+        for r in range(rounds):
+            order = routers if r % 2 == 0 else routers[::-1]
+            for label, kind, policy in order:
+                port = base - 100 - r
+                cmd = router_cmd(kind, policy, spec, port, urls, peers)
+                assert cmd is not None
+                router = start_router(cmd, port, engines, label)
+                try:
+                    cpu0 = cpu_seconds(router.pid)
+                    rps[label].append(asyncio.run(drive(f"http://127.0.0.1:{port}", n, 64)))
+                    cpu[label].append((cpu_seconds(router.pid) - cpu0) / n)
+                finally:
+                    stop(router)
     finally:
-        stack.stop()
-    report("router_req_per_s", rps, 1000, True, "{:.0f}")
+        stop(engines)
+    info("router_throughput", f"{n} non-streaming completions at concurrency 64 per run, {rounds} rounds, 4 engines; "
+         + "; ".join(f"{label}: {' '.join(f'{v:.0f}' for v in vs)}" for label, vs in rps.items()))  # fmt: skip
+    # CPU per request is what the router costs whatever else the shared machine runs; req/s is what the issue asks.
+    info("router_cpu_us_per_req", "; ".join(f"{label}: {statistics.median(v) * 1e6:.0f}" for label, v in cpu.items()))
+    report("router_req_per_s", statistics.median(rps["llmd precise"]), 1000, True, "{:.0f}")
+    if peers is None:
+        return
+    for llmd_label, peer_label, name in (
+        ("llmd precise", "sglang-router cache_aware", "router_vs_sglang"),
+        ("llmd round-robin", "sglang-router round_robin", "router_vs_sglang_round_robin"),
+    ):
+        ratios = [a / b for a, b in zip(rps[llmd_label], rps[peer_label], strict=True)]
+        a, b = statistics.median(rps[llmd_label]), statistics.median(rps[peer_label])
+        per_round = " ".join(f"{x:.2f}" for x in ratios)
+        info(f"{name}_policies", f"{llmd_label} / {peer_label}: median {a:.0f} / {b:.0f} req/s; per round {per_round}")
+        report(name, statistics.median(ratios), 1.0, True, "{:.3f}")
 
 
 # --- 3. hit rates ----------------------------------------------------------------------------------------------------
@@ -425,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="hit rates by policy only (~1 minute)")
     p.add_argument("--route-544", action="store_true", help="route_ms_*_544 only (~1 minute, ~3 GB)")
     p.add_argument("--index-entries", type=int, default=20_000_000, help="KV index size for route_ms_*_544")
+    p.add_argument("--throughput", action="store_true", help="router_req_per_s and router_vs_sglang* only")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the throughput comparison")
     args = p.parse_args(argv)
     if args.route_544:
         route_cost_544(args.index_entries)
@@ -434,10 +520,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="llmd-router-bench-") as d:
         tmp = Path(d)
         model = make_tiny(tmp / "tiny", weights=False)
+        if args.throughput:
+            throughput(model, tmp, args.rounds)
+            return 0
         if not args.quick:
             route_cost(model)
             route_cost_544(args.index_entries)
-            throughput(model, tmp)
+            throughput(model, tmp, args.rounds)
         hit_rates(model, tmp)
     return 0
 

@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _report import free_port, info, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
+from peers import PEER_PACKAGES, peers_python, router_cmd  # noqa: E402
 
 ENGINES = 8
 BLOCK = 64
@@ -85,8 +86,6 @@ POLICIES: dict[str, tuple[str, str]] = {
     "vllm-router-cache_aware": ("vllm-router", "cache_aware"),
     "vllm-router-round_robin": ("vllm-router", "round_robin"),
 }
-PEER_PACKAGES = {"sglang": "sglang-router", "vllm-router": "vllm-router"}
-PEERS_VENV = ROOT / ".venv-peers"
 # The agents: long sessions over a shared system prompt, sub-agent bursts of 4, a few resets. Unscaled tokens.
 AGENTS = 40
 WORKLOAD_PARAMS: dict[str, Any] = {
@@ -192,43 +191,6 @@ workload:
 def affinity_overlay(text: str) -> str:
     """llm-d's newer decode profile: affinity filter at 0.80, then the token-load scorer alone."""
     return text.replace("router:\n", "router:\n  affinity_threshold: 0.8\n  weights:\n    token-load: 1.0\n", 1)
-
-
-def peers_python() -> Path | None:
-    """The side venv's python with both peers installed (installing them the first time), or None."""
-    py = PEERS_VENV / "bin" / "python"
-    try:
-        if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True, capture_output=True)
-        missing = [
-            pkg
-            for pkg in PEER_PACKAGES.values()
-            if subprocess.run([str(py), "-m", "pip", "show", "-q", pkg], capture_output=True).returncode != 0
-        ]
-        if missing:
-            subprocess.run(
-                [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *missing],
-                check=True,
-                capture_output=True,
-                timeout=600,
-            )
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        err = getattr(exc, "stderr", b"") or b""
-        info("peers", f"could not install {', '.join(PEER_PACKAGES.values())}: {exc} {err.decode()[-300:]}")
-        return None
-    return py
-
-
-def router_cmd(kind: str, arg: str, spec: Path, port: int, urls: list[str], peers: Path | None) -> list[str] | None:
-    if kind in ("llmd", "llmd-affinity"):
-        return [sys.executable, "-m", "llmd.cli", "router", "--spec", str(spec), "--policy", arg, "--port", str(port),
-                "--log-level", "WARNING"]  # fmt: skip
-    if peers is None:
-        return None
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", arg]
-    if kind == "sglang":
-        return [str(peers), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
-    return [str(peers.parent / "vllm-router"), *common, "--log-level", "warning"]
 
 
 async def engine_counters(urls: list[str]) -> dict[str, float]:

@@ -23,12 +23,15 @@ KEEPALIVE_S = 4.0
 
 def engine_session(connect_timeout_s: float, keepalive_s: float = KEEPALIVE_S) -> aiohttp.ClientSession:
     """The router's pooled session: no connection limit (admission control bounds the load), connection reuse
-    (most of what keeps a hop cheap), bodies passed through as they come."""
+    (most of what keeps a hop cheap), bodies passed through as they come. No Accept-Encoding: the router passes
+    engine bodies on as they are, without their Content-Encoding, so it must never be sent a compressed one. No
+    cookies: an engine's Set-Cookie is no business of the router's (nor of its other clients')."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=keepalive_s),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
         auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
 
 

@@ -58,6 +58,13 @@ async def read_body(request: web.BaseRequest, max_bytes: int, idle_s: float) -> 
     length = request.content_length
     if length is not None and length > max_bytes:
         raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=length)
+    content = request.content
+    if content.is_eof():
+        # The whole body came with the headers (any small request): nothing left to wait for, so no deadline to arm.
+        body = content.read_nowait()
+        if len(body) > max_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=len(body))
+        return body
     loop = asyncio.get_running_loop()
     chunks: list[bytes] = []
     size = 0

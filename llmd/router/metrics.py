@@ -6,12 +6,14 @@ event counters are read from live state when /metrics is scraped (a collector), 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -48,10 +50,9 @@ class RouterMetrics:
             "llmd_router_expected_hit_tokens", "Prompt tokens the router expected to be cached at the chosen pod.",
             registry=r,
         )  # fmt: skip
-        self.expected_hit_hist = Histogram(
-            "llmd_router_request_expected_hit_tokens", "Expected cached prompt tokens per request.",
-            buckets=TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.expected_hit_hist = Hist(
+            "llmd_router_request_expected_hit_tokens", "Expected cached prompt tokens per request.", TOKEN_BUCKETS
+        )
         self.prompt_tokens = Counter("llmd_router_prompt_tokens", "Prompt tokens routed (router tokenization).",
                                      registry=r)  # fmt: skip
         self.pd = Counter("llmd_router_pd", "Disaggregated requests: outcome ok or fallback (decode-only).",
@@ -61,18 +62,20 @@ class RouterMetrics:
         self.retries = Counter("llmd_router_retries", "Requests sent again before any byte streamed, by reason "
                                "(resent: the same pod, its pooled connection closed under the request; others: "
                                "another pod).", ["reason"], registry=r)  # fmt: skip
-        self.queue_time = Histogram("llmd_router_queue_time_seconds", "Time waiting in the router's queue.",
-                                    buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
-        self.prefill_time = Histogram("llmd_router_prefill_hop_seconds", "P/D: duration of the prefill hop.",
-                                      buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
-        self.first_byte_time = Histogram(
+        self.queue_time = Hist("llmd_router_queue_time_seconds", "Time waiting in the router's queue.",
+                               SECONDS_BUCKETS)  # fmt: skip
+        self.prefill_time = Hist("llmd_router_prefill_hop_seconds", "P/D: duration of the prefill hop.",
+                                 SECONDS_BUCKETS)  # fmt: skip
+        self.first_byte_time = Hist(
             "llmd_router_first_byte_seconds", "From admission to the first response byte of the serving pod.",
-            buckets=SECONDS_BUCKETS, registry=r,
+            SECONDS_BUCKETS,
         )  # fmt: skip
-        self.routing_time = Histogram(
+        self.routing_time = Hist(
             "llmd_router_routing_seconds", "Router work per request before the first hop (tokenize + schedule).",
-            buckets=SECONDS_BUCKETS, registry=r,
+            SECONDS_BUCKETS,
         )  # fmt: skip
+        hists = (self.expected_hit_hist, self.queue_time, self.prefill_time, self.first_byte_time, self.routing_time)
+        self.add_collector(lambda: (h.family() for h in hists))
         self._decision_children: dict[tuple[str, str], Any] = {}
         self._request_children: dict[tuple[str, int], Any] = {}
         self._error_children: dict[tuple[str, str], Any] = {}
@@ -109,6 +112,31 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Hist:
+    """A Prometheus histogram for the event loop's thread alone. prometheus_client's Histogram takes a lock and walks
+    every bucket on each observation, and the request path makes four or five of them; this one bisects into plain
+    ints and builds the family (the same _bucket/_sum/_count series) only when /metrics is scraped."""
+
+    __slots__ = ("bounds", "counts", "doc", "name", "sum")
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float]) -> None:
+        self.name, self.doc = name, doc
+        self.bounds = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # bucket `le` counts value <= le
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for le, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            cumulative.append((le, total))
+        return HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
 
 
 class _FnCollector(Collector):

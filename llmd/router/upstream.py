@@ -249,8 +249,13 @@ class Upstream:
             status = up.status
             if status != 200 or not up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 try:
-                    async with leg.deadline(self.idle_s):
+                    if up.content.is_eof() and getattr(up, "_writer", True) is None:
+                        # The whole body came with the headers and the request went out: read() cannot wait, so
+                        # arming a deadline would cost a timer for nothing. (Unsure, it takes the deadline.)
                         data = await up.read()
+                    else:
+                        async with leg.deadline(self.idle_s):
+                            data = await up.read()
                 except TimeoutError as exc:
                     self._timed_out(ctx, leg, "in the middle of its response body")
                     raise Retry("body_timeout", pod.name, pod_down=False) from exc
