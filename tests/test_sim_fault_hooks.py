@@ -110,3 +110,39 @@ def test_engine_process_takes_fault_signals_and_keeps_serving(model_dir: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_failed_kv_transfer_after_a_chat_streams_role_chunk_is_retried(model_dir: Path) -> None:
+    """On the chat API the engine sends the stream's role chunk before the failed pull reports its error (found by the
+    soak benchmark: 12 client errors). The router holds chunks without output back, so the failure is still retried
+    and the client gets one clean stream from the second attempt."""
+
+    async def body() -> None:
+        async with Servers() as sv, aiohttp.ClientSession() as http:
+            pre = await sv.start(engine(model_dir, "p0", role="prefill"))
+            dec = await sv.start(engine(model_dir, "d0", role="decode"))
+            async with Router(rconfig(model_dir, pd_threshold=16), [pod_of(pre), pod_of(dec)]) as router:
+                await until(lambda: all(p.healthy for p in router.registry.pods.values()), 10, "pods healthy")
+                assert dec.engine is not None
+                dec.engine.faults.fail_next_transfers = 1
+                msgs = [{"role": "user", "content": words(7, 200)}]
+                req = {"messages": msgs, "max_tokens": 4, "stream": True}
+                st, r, h = await post(http, router.url + "/v1/chat/completions", req)
+                assert st == 200 and "error" not in r and r.rstrip().endswith("[DONE]"), r
+                assert r.count('"role":"assistant"') == 1, r  # one opening, from the attempt that served it
+                assert h["x-llmd-attempts"] == "2" and dec.engine.faults.failed_transfers == 1
+                rtext = await metric_text(http, router.url)
+                assert metric(rtext, "llmd_router_retries_total", reason="stream_error") == 1
+
+    run(body)
+
+
+def test_starts_output_reads_only_whole_chunks() -> None:
+    from llmd.router.upstream import starts_output
+
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    assert not starts_output(role) and starts_output(role + token)
+    assert not starts_output(role + token[:20])  # a token not yet whole
+    assert starts_output(b'data: {"choices":[{"index":0,"text":"x"}]}\n\n')  # completions
+    assert starts_output(b"data: [DONE]\n\n") and starts_output(b'data: {"error":{"message":"x"}}\n\n')

@@ -33,6 +33,37 @@ _SKIP_RESPONSE_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server", "content-encoding"}
 )
 _SSE_ERROR = b'data: {"error"'
+_HOLD_MAX = 64 * 1024  # bytes of a stream's opening held back while they carry no output (a role chunk is ~200)
+
+
+def starts_output(held: bytes) -> bool:
+    """Whether the held opening of an SSE stream carries output or decides the stream: a token (text, content,
+    reasoning, a tool call), a finish, usage, an error, [DONE] or anything not an OpenAI chunk. Only whole lines are
+    read; a chat role chunk (`"delta": {"role": "assistant", "content": ""}`) is not output."""
+    lines = held.split(b"\n")
+    for line in lines[:-1]:  # the last piece has no newline yet: not whole
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        try:
+            event = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return True  # [DONE], or something this router does not read: pass it on
+        if not isinstance(event, dict) or "choices" not in event:
+            return True
+        for choice in event["choices"] or ():
+            delta = choice.get("delta") or {}
+            if (
+                choice.get("text")
+                or choice.get("finish_reason")
+                or any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls"))
+            ):
+                return True
+        if event.get("usage"):
+            return True
+    return False
+
+
 _PROMPT_TOKENS = b'"prompt_tokens":'
 
 
@@ -283,7 +314,23 @@ class Upstream:
                 raise Retry("stream_start", pod.name, pod_down=False) from exc
             if not first:
                 raise Retry("empty_stream", pod.name, pod_down=False)
-            if first.startswith(_SSE_ERROR):
+            # A chat stream opens with a role chunk before its first token, and an engine that fails the request
+            # then (a failed KV pull) sends its error event after it: hold chunks without output back until output,
+            # an error or the end comes, so such a failure is still retried, not passed on. They come together with
+            # the first token otherwise, so holding costs no time to first token.
+            try:
+                async with leg.deadline(self.first_byte_s):
+                    while len(first) < _HOLD_MAX and not starts_output(first):
+                        more = await up.content.readany()
+                        if not more:
+                            break
+                        first += more
+            except TimeoutError as exc:
+                self._timed_out(ctx, leg, "after its response headers")
+                raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise Retry("stream_start", pod.name, pod_down=False) from exc
+            if first.startswith(_SSE_ERROR) or b"\n" + _SSE_ERROR in first:
                 # The engine failed the request before its first token (a failed KV pull): nothing reached the
                 # client, so another attempt (without KV transfer) can still serve it.
                 raise Retry("stream_error", pod.name, pod_down=False)
