@@ -50,6 +50,28 @@ def same(a: PyKVIndex, b: NativeKVIndex, probe: list[int]) -> None:
     b._core.check()
 
 
+def test_full_table_deletes_and_evicts_like_python() -> None:
+    """Tens of thousands of entries, so table runs are long and slot distances saturate (7 and more): removals and
+    evictions shift entries back by stored distances, and the table must still find everything (check())."""
+    import random
+
+    rnd = random.Random(7)
+    # 23,000 entries: the table (32,768 slots) runs at 0.7 load, where runs are long
+    a, b = PyKVIndex(max_entries=23_000, evict_batch=0), NativeKVIndex(max_entries=23_000, evict_batch=0)
+    keys = [rnd.getrandbits(64) for _ in range(40_000)]
+    for i in range(0, 40_000, 500):
+        for ix in (a, b):
+            ix.store(("pod-0", 0), keys[i : i + 500], "GPU")
+            ix.store(("pod-1", 0), keys[i : i + 250 : 3], "CPU")
+    gone = rnd.sample(keys, 12_000)
+    for ix in (a, b):
+        ix.remove(("pod-0", 0), gone, "GPU")
+        ix.remove(("pod-1", 0), gone, "CPU")
+        ix.store(("pod-2", 0), keys[:5_000], "GPU")  # old blocks stored again: the most recent now
+    same(a, b, keys[:50] + gone[:50] + keys[-50:])
+    assert b.evictions == a.evictions > 0
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op_st, max_size=40), st.sampled_from([4, 16, 1000]), st.sampled_from([0, 3]), st.booleans())
 def test_native_matches_python(ops, cap, batch, wire) -> None:

@@ -1,8 +1,10 @@
 /* The KV index's storage and its event fast path, in C: see llmd/kv/index.py for what the index means.
  *
  * Entries (one per block hash) live in a slab of parallel arrays: key (8 B), interned holder-mask id (4 B) and the
- * recency list's prev/next (4 + 4 B). A linear-probing table of 4-byte slots (entry index | 5 tag bits of the key's
- * hash) finds them. Masks (which holder holds the block, in which tier: GPU bit 2*id, CPU bit 2*id+1) are interned:
+ * recency list's prev/next (4 + 4 B). A linear-probing table of 4-byte slots finds them: entry index (27 bits), 2 tag
+ * bits of the key's hash and the slot's distance from the key's home (3 bits, 7 meaning 7 or more). Lookups compare
+ * keys only where tag and distance both match; deletion shifts entries back by their distances alone, without
+ * reading their keys (a random cache miss each, most of the at-cap cost before). Masks (which holder holds the block, in which tier: GPU bit 2*id, CPU bit 2*id+1) are interned:
  * a fleet has few distinct holder sets, so an entry holds an id, and a store or removal moves it to another id
  * through a small transition cache. About 27 bytes an entry at 20M entries, where a dict of Python ints costs ~120.
  *
@@ -16,7 +18,10 @@
 
 #define IDX_BITS 27
 #define IDX_MASK ((1u << IDX_BITS) - 1)
-#define TAG_OF(hk) ((uint32_t)((hk) >> 59) << IDX_BITS)
+#define TAG_OF(hk) ((uint32_t)((hk) >> 62) << IDX_BITS)
+#define DIST_SHIFT (IDX_BITS + 2)
+#define DIST_SAT 7u /* distances from 7 up are stored as 7: the key tells the rest */
+#define DIST_OF(s) ((s) >> DIST_SHIFT)
 #define MAX_ENTRY_INDEX (IDX_MASK - 1)
 #define TC_SIZE 4096
 #define NONE32 0xFFFFFFFFu
@@ -181,10 +186,11 @@ static uint32_t trans(Core *c, uint32_t from, uint32_t bit, int set) {
 
 static inline uint32_t find(const Core *c, uint64_t k) {
     uint64_t hk = mix64(k);
-    uint32_t m = c->tsize - 1, pos = (uint32_t)hk & m, tag = TAG_OF(hk), s;
+    uint32_t m = c->tsize - 1, pos = (uint32_t)hk & m, want = TAG_OF(hk), s;
     while ((s = c->slots[pos])) {
-        if ((s & ~IDX_MASK) == tag && c->key[s & IDX_MASK] == k) return s & IDX_MASK;
+        if ((s & ~IDX_MASK) == want && c->key[s & IDX_MASK] == k) return s & IDX_MASK;
         pos = (pos + 1) & m;
+        if (DIST_OF(want) < DIST_SAT) want += 1u << DIST_SHIFT;
     }
     return 0;
 }
@@ -195,9 +201,12 @@ static inline void prefetch_slot(const Core *c, uint64_t k) {
 
 static void table_put(uint32_t *slots, uint32_t size, uint64_t k, uint32_t e) {
     uint64_t hk = mix64(k);
-    uint32_t m = size - 1, pos = (uint32_t)hk & m;
-    while (slots[pos]) pos = (pos + 1) & m;
-    slots[pos] = TAG_OF(hk) | e;
+    uint32_t m = size - 1, pos = (uint32_t)hk & m, d = 0;
+    while (slots[pos]) {
+        pos = (pos + 1) & m;
+        d += d < DIST_SAT;
+    }
+    slots[pos] = (d << DIST_SHIFT) | TAG_OF(hk) | e;
 }
 
 static int table_grow(Core *c) {
@@ -214,7 +223,8 @@ static int table_grow(Core *c) {
     return 0;
 }
 
-/* Take entry e out of the table: backward-shift deletion, so probes never meet tombstones. */
+/* Take entry e out of the table: backward-shift deletion, so probes never meet tombstones. An entry moves back to
+ * the hole if its home is at or before it, which its stored distance says; only a saturated distance needs the key. */
 static void table_del(Core *c, uint32_t e) {
     uint32_t m = c->tsize - 1, i = (uint32_t)mix64(c->key[e]) & m;
     while ((c->slots[i] & IDX_MASK) != e) i = (i + 1) & m;
@@ -223,9 +233,11 @@ static void table_del(Core *c, uint32_t e) {
         j = (j + 1) & m;
         uint32_t s = c->slots[j];
         if (!s) break;
-        uint32_t home = (uint32_t)mix64(c->key[s & IDX_MASK]) & m;
-        if (((j - home) & m) >= ((j - i) & m)) {
-            c->slots[i] = s;
+        uint32_t d = DIST_OF(s), gap = (j - i) & m;
+        if (d == DIST_SAT) d = (j - (uint32_t)mix64(c->key[s & IDX_MASK])) & m;
+        if (d >= gap) {
+            d -= gap;
+            c->slots[i] = (s & ((1u << DIST_SHIFT) - 1)) | ((d < DIST_SAT ? d : DIST_SAT) << DIST_SHIFT);
             i = j;
         }
     }
@@ -351,8 +363,8 @@ static int remove_one(Core *c, uint64_t k, uint32_t bit) {
 }
 
 /* The cap: beyond max_entries, drop the least recently stored entries (every holder, both tiers), evict_batch more.
- * Victims go in chunks, each in stages that first touch (prefetch) what the next stage reads, so the cache misses of
- * a chunk's victims overlap instead of following one another. */
+ * Victims go in chunks, each in stages that first touch (prefetch) what the next stage reads (the victims' keys, then
+ * their table slots), so the cache misses of a chunk's victims overlap instead of following one another. */
 #define EVICT_CHUNK 64
 
 static void evict(Core *c) {
@@ -370,15 +382,6 @@ static void evict(Core *c) {
             e = c->nxt[e];
         }
         for (int j = 0; j < nv; j++) __builtin_prefetch(&c->slots[(uint32_t)mix64(c->key[vic[j]]) & m]);
-        for (int j = 0; j < nv; j++) { /* the entries a deletion may shift back: their keys are read */
-            uint32_t pos = (uint32_t)mix64(c->key[vic[j]]) & m;
-            while ((c->slots[pos] & IDX_MASK) != vic[j]) pos = (pos + 1) & m;
-            for (int t = 1; t <= 16; t++) { /* up to the run's end: ~3.6 entries at the table's 0.65 load */
-                uint32_t s = c->slots[(pos + t) & m];
-                if (!s) break;
-                __builtin_prefetch(&c->key[s & IDX_MASK]);
-            }
-        }
         for (int j = 0; j < nv; j++) {
             c->mref[c->msk[vic[j]]]--;
             entry_free(c, vic[j]);
@@ -948,7 +951,16 @@ static PyObject *Core_check(Core *c, PyObject *Py_UNUSED(ignored)) {
         refs[c->msk[e]]++;
         if (++n > c->count) goto bad;
     }
-    for (uint32_t pos = 0; pos < c->tsize; pos++) inslots += c->slots[pos] != 0;
+    for (uint32_t pos = 0; pos < c->tsize; pos++) {
+        uint32_t s = c->slots[pos];
+        if (!s) continue;
+        inslots++;
+        uint64_t hk = mix64(c->key[s & IDX_MASK]);
+        uint32_t d = (pos - (uint32_t)hk) & (c->tsize - 1);
+        if ((s & ~IDX_MASK) != (TAG_OF(hk) | ((d < DIST_SAT ? d : DIST_SAT) << DIST_SHIFT))) goto bad;
+        for (uint32_t t = (uint32_t)hk & (c->tsize - 1); t != pos; t = (t + 1) & (c->tsize - 1))
+            if (!c->slots[t]) goto bad; /* no hole between home and slot */
+    }
     if (n != c->count || inslots != c->count) goto bad;
     for (uint32_t id = 1; id < c->mused; id++)
         if (refs[id] != (c->malive[id] ? c->mref[id] : 0)) goto bad;
