@@ -250,12 +250,13 @@ def _flag(argv: list[str], flag: str) -> str | None:
 
 
 def move_taken_ports(
-    argv: Sequence[str], env: Mapping[str, str], host: str, ranks: int = 1, *, every: bool = False
+    argv: Sequence[str], env: Mapping[str, str], host: str, ranks: Sequence[int] = (0,), *, every: bool = False
 ) -> tuple[list[str], dict[str, str]]:
     """`argv` and `env` of a vLLM launch with each port that is taken on `host` now (every port, with `every`: after
     an EADDRINUSE exit) moved: HTTP to `--port 0`, KV events and replay to `tcp://*:0` on VLLM_HOST_IP (vLLM binds a
-    free one and reports it), the NIXL side channel (`ranks` consecutive ports) to free ones found by a probe. The
-    bound ports are read back with `wait_bound_http`, `bound_kv_sources` and the env."""
+    free one and reports it), the NIXL side channel to free ones found by a probe. `ranks`: the DP ranks the process
+    runs (vLLM adds the rank to the KV-event and side-channel ports). Read back with `wait_bound_http`,
+    `bound_kv_sources` and `side_channel_ports`."""
     argv, env = list(argv), dict(env)
     port = _flag(argv, "--port")
     if port is not None and int(port) and (every or not port_free(host, int(port))):
@@ -269,7 +270,7 @@ def move_taken_ports(
             if not where or not where.startswith("tcp://"):
                 continue
             p = int(where.rsplit(":", 1)[1])
-            if p and (every or not all(port_free(host, p + k) for k in range(ranks))):
+            if p and (every or not all(port_free(host, p + r) for r in ranks)):
                 config[key] = "tcp://*:0"
             moved |= config[key] == "tcp://*:0"
         if moved:
@@ -278,6 +279,13 @@ def move_taken_ports(
     side = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
     if side is not None:
         p = int(side)
-        if not p or every or not all(port_free(host, p + k) for k in range(ranks)):
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_run(host, ranks))
+        if not p or every or not all(port_free(host, p + r) for r in ranks):
+            span = max(ranks) - min(ranks) + 1
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_run(host, span) - min(ranks))
     return argv, env
+
+
+def side_channel_ports(env: Mapping[str, str], ranks: Sequence[int]) -> list[int]:
+    """The NIXL side-channel port of each of `ranks`, as vLLM derives it from the (moved) environment."""
+    side = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    return [int(side) + r for r in ranks] if side is not None else []
