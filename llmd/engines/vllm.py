@@ -14,8 +14,13 @@ environment; launchers (Slurm, local) only place and run them. Ports come from `
 - NIXL side channel: VLLM_NIXL_SIDE_CHANNEL_PORT is the layout's rank-0 port; vLLM adds the DP index itself.
 
 Listeners: the API server binds the node's own address (`--host`, the head address or NODE_ADDRESS), never 0.0.0.0,
-and so does the KV-event replay socket; the KV-event PUB socket binds `*` (see kv_events_config). vLLM binds the
-ports it is given and cannot move a taken one, so `port: auto` is for simulated engines (a spec check says so).
+and so does the KV-event replay socket; the KV-event PUB socket binds `*` (see kv_events_config).
+
+`port: auto` (the layout's ports are 0): vLLM binds and the launcher reads back what it got (llmd.engines.vllm_server):
+`--port 0`; KV events and replay `tcp://*:0` with VLLM_HOST_IP the node's address (vLLM 0.32 binds a free port there
+and serves it on /kv_event_sources); VLLM_NIXL_SIDE_CHANNEL_PORT "0", which the launcher replaces with a free port
+(vLLM advertises that variable's value to its peers, so it cannot be 0). DP replicas need the fixed DP RPC port, so
+`port: auto` is for dp_size 1 (a spec check says so).
 
 Addresses that only the launcher knows are placeholders it substitutes: `head_placeholder(role, replica)` where no
 head address is given, and NODE_ADDRESS for the NIXL side-channel host of a node other than a replica's head.
@@ -94,7 +99,8 @@ def kv_events_config(ep: EngineEndpoint, host: str = "*") -> str:
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": ep.kv_events_endpoint(bind=True),
-            "replay_endpoint": f"tcp://{host}:{ep.replay_port}",
+            # vLLM binds a free port only for exactly tcp://*:0, on VLLM_HOST_IP (set by _env).
+            "replay_endpoint": f"tcp://{host}:{ep.replay_port}" if ep.replay_port else "tcp://*:0",
             "topic": "kv",
         }
     )
@@ -181,9 +187,11 @@ def _env(spec: DeploymentSpec, pool: PoolSpec, ep: EngineEndpoint, host: str) ->
     env: dict[str, str] = {}
     if spec.model.hash_seed is not None:
         env["PYTHONHASHSEED"] = spec.model.hash_seed
+    if not ep.kv_events_port or not ep.replay_port:
+        env["VLLM_HOST_IP"] = host  # where vLLM binds tcp://*:0
     if spec.disaggregated:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ep.side_channel_port)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ep.side_channel_port)  # "0": the launcher picks a free one
     return {**env, **spec.engine.env, **pool.env}
 
 
@@ -193,7 +201,9 @@ def dp_local(pool: PoolSpec) -> int:
 
 
 def rank_http_port(pool: PoolSpec, replica: int, rank: int) -> int:
-    """Mode "per-rank": the HTTP port of DP rank `rank` (within the replica) of replica `replica`."""
+    """Mode "per-rank": the HTTP port of DP rank `rank` (within the replica) of replica `replica` (0: `port: auto`)."""
+    if pool.port == "auto":
+        return 0
     return pool.port + RANK_HTTP_OFFSET + replica * pool.dp_size + rank
 
 

