@@ -86,7 +86,14 @@ def test_router_and_engine_files_are_readable_mid_run_and_merge_with_the_client(
                         # A request the router refuses (400) is a row too, with its status.
                         async with http.post(router.url + "/v1/completions", json={"model": "tiny"}) as r:
                             assert r.status == 400
-                    await asyncio.sleep(1.3)  # one sampler tick: rows and series reach the disk while running
+                    # Rows and series reach the disk while running, within a sampler tick or two (more on a busy
+                    # machine): read until they are there, as a notebook watching a run would.
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:
+                        await asyncio.sleep(0.5)
+                        sources = set(read_timeseries(engines_h5)["source"]) | set(read_timeseries(router_h5)["source"])
+                        if len(read_requests(router_h5)) == 7 and {"d0", "d1", "router/d0", "router/d1"} <= sources:
+                            break
                     live = read_requests(router_h5)
                     assert len(live) == 7 and set(live["status"]) == {200, 400}
                     ok = live[live.status == 200]

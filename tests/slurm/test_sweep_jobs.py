@@ -1,18 +1,21 @@
 """A sweep on the local Slurm cluster: a 2x2 grid of simulated deployments (1 prefill + 1 decode node each, plus the
 router's node), one array task per point on one homogeneous allocation. One point is made to fail at runtime (its
-router's port is taken on the node), the rest complete; `--retry-failed` reruns that point alone, and a resumed sweep
-submits nothing. One point at a time (`throttle: 1`): on this one-host cluster every point's engines and router
-listen on the same ports."""
+model folder is gone), the rest complete; `--retry-failed` reruns that point alone, and a resumed sweep
+submits nothing. One point at a time (`throttle: 1`), so which point runs last is known.
+
+The failure: once point 2 is done, the model folder the points share is moved away, so point 3's engines cannot start
+(a taken port no longer fails a point: components bind a free one and publish it); it is moved back for the retry."""
 
 from __future__ import annotations
 
 import json
-import socket
+import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import llmd, wait_for, write_spec
 
 from llmd.metrics import read_meta
@@ -32,8 +35,9 @@ def _run(root: Path, i: int) -> dict:
 
 
 def test_sweep_fails_one_point_retries_it_and_resumes(tmp_path: Path, tiny_tokenizer: Path, jobs: list[str]) -> None:
-    base = write_spec(tmp_path, tiny_tokenizer, "base", workload={"duration_s": 3})
-    router_port = yaml.safe_load(base.read_text())["router"]["port"]
+    model = tmp_path / "model"  # this test's own copy: it is moved away while point 3 runs
+    shutil.copytree(tiny_tokenizer, model)
+    base = write_spec(tmp_path, model, "base", workload={"duration_s": 3})
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(
         f"name: grid\nbase: {base.name}\nthrottle: 1\n"
@@ -47,14 +51,24 @@ def test_sweep_fails_one_point_retries_it_and_resumes(tmp_path: Path, tiny_token
     (array,) = [json.loads(ln)["job_id"] for ln in (root / "arrays.jsonl").read_text().splitlines()]
     jobs.append(array)
     assert "#SBATCH --array=0-3%1" in (root / "scripts" / "array-0.sbatch").read_text()
-    # Point 3 runs last: once point 2 is done (its router gone), hold point 3's router port on the node.
-    wait_for(lambda: (root / "2" / "run.json").exists() and _run(root, 2).get("recorded_at"), 240, "points 0-2")
-    with socket.socket() as held:
-        # Point 2's router left connections in TIME_WAIT; a listener (point 3's router) would still keep us out.
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind(("127.0.0.1", router_port))
-        held.listen()
-        follow = llmd(*args, cwd=tmp_path, timeout=240)  # resumes: nothing to submit, follows the array to its end
+    # Resume at once (every point checked, nothing to submit) and follow the array to its end, while point 3, the
+    # last, loses its model folder as soon as point 2 is done.
+    env = {**os.environ, "LLMD_STATE_DIR": str(tmp_path / ".llmd-state")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmd.cli", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    away = tmp_path / "model-away"
+    try:
+        wait_for(lambda: (root / "2" / "run.json").exists() and _run(root, 2).get("recorded_at"), 240, "points 0-2")
+        model.rename(away)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if away.exists():
+            away.rename(model)
+    follow = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert follow.returncode == 1, follow.stdout + follow.stderr
     assert "nothing to submit" in follow.stdout and "point 3 failed" in follow.stdout, follow.stdout
 
@@ -63,7 +77,7 @@ def test_sweep_fails_one_point_retries_it_and_resumes(tmp_path: Path, tiny_token
     assert status.returncode == 0
     lines = {ln.split()[0]: ln for ln in status.stdout.splitlines()[2:] if ln[:1].isdigit()}
     assert all(" done " in lines[i] for i in "012") and " failed " in lines["3"], status.stdout
-    assert "router" in lines["3"] and f"{array}_3" in lines["3"], lines["3"]
+    assert f"{array}_3" in lines["3"], lines["3"]
     assert "4 points: 0 pending, 0 running, 3 done, 1 failed" in status.stdout
 
     # Every point spanned its own nodes (router, prefill and decode on three different ones), and its metrics.h5

@@ -61,6 +61,11 @@ CORS_PREFLIGHT_VARY = (
 )
 
 
+# Pending connections the listening socket queues: uvicorn's default, which vLLM's API server runs with (aiohttp's own
+# 128 overflowed when a few hundred clients connected at once on a busy machine, and the kernel reset the rest).
+LISTEN_BACKLOG = 2048
+
+
 class SimServer:
     """A simulated vLLM server: start() binds its port, stop() releases everything."""
 
@@ -165,13 +170,13 @@ class SimServer:
                 app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, **limits.runner_kwargs()
             )
             await self._runner.setup()
-            self._site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True)
+            self._site = web.TCPSite(self._runner, c.host, c.port, reuse_address=True, backlog=LISTEN_BACKLOG)
             try:
                 await self._site.start()
             except OSError as exc:
                 if not self._may_move(exc, c.port):
                     raise
-                self._site = web.TCPSite(self._runner, c.host, 0, reuse_address=True)
+                self._site = web.TCPSite(self._runner, c.host, 0, reuse_address=True, backlog=LISTEN_BACKLOG)
                 await self._site.start()
             self.port = self._runner.addresses[0][1]
             if c.ports_file:
