@@ -100,14 +100,30 @@ def calibrate(duration_s: float, warmup_s: float) -> dict[str, Any]:
 
 def predictions(duration_s: float, warmup_s: float, workers: int) -> list[dict[str, Any]]:
     jobs = [
+        # Shortest first, so a run cut short still has what finished.
+        ("AgentX, 128 agents", base_spec("agentx", 128, 900.0), 0.0),
         ("AutomationBench, 3,000 agents", base_spec("automationbench", 3000, duration_s), warmup_s),
         ("CyberGym, 400 agents, precise", base_spec("cybergym", 400, 7200.0, "precise"), 0.0),
         ("CyberGym, 400 agents, approximate", base_spec("cybergym", 400, 7200.0, "approximate"), 0.0),
-        ("AgentX, 128 agents", base_spec("agentx", 128, 900.0), 0.0),
     ]
     with ProcessPoolExecutor(workers) as pool:
         futs = [pool.submit(run, name, spec, w, True) for name, spec, w in jobs]
-        return [f.result() for f in futs]
+        return _collect(futs, OUT / "predictions.partial.jsonl")
+
+
+def _collect(futs: list[Any], partial: Path) -> list[dict[str, Any]]:
+    """Each run's row as it finishes, also appended to `partial` (hours of runs: what finished is kept if the rest is
+    cut short); returned in submission order."""
+    from concurrent.futures import as_completed
+
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
+    for f in as_completed(futs):
+        row = f.result()
+        print(f"  done: {row['name']} [{row['wall_s']:.0f} s]", flush=True)
+        with partial.open("a") as fh:
+            fh.write(json.dumps(row, default=str) + "\n")
+    return [f.result() for f in futs]
 
 
 def ablations(duration_s: float, warmup_s: float, workers: int) -> list[dict[str, Any]]:
@@ -117,7 +133,7 @@ def ablations(duration_s: float, warmup_s: float, workers: int) -> list[dict[str
     jobs = [("full deployment", full)] + [(f"without {name}", ablated(full, name)) for name in ABLATIONS]
     with ProcessPoolExecutor(workers) as pool:
         futs = [pool.submit(run, name, spec, warmup_s, True) for name, spec in jobs]
-        return [f.result() for f in futs]
+        return _collect(futs, OUT / "ablations.partial.jsonl")
 
 
 def _ms(v: float) -> str:
