@@ -29,26 +29,28 @@ def test_injector_fails_armed_transfers_once_each_and_at_its_rate() -> None:
         FaultConfig(kv_transfer_failure_rate=1.5)
 
 
-def test_failed_kv_transfer_is_retried_by_the_router_and_the_client_sees_none(model_dir: Path) -> None:
-    async def body() -> None:
-        async with Servers() as sv, aiohttp.ClientSession() as http:
-            pre = await sv.start(engine(model_dir, "p0", role="prefill"))
-            dec = await sv.start(engine(model_dir, "d0", role="decode"))
-            async with Router(rconfig(model_dir, pd_threshold=16), [pod_of(pre), pod_of(dec)]) as router:
-                await until(lambda: all(p.healthy for p in router.registry.pods.values()), 10, "pods healthy")
-                assert dec.engine is not None
-                dec.engine.faults.fail_next_transfers = 1
-                req = {"prompt": words(5, 200), "max_tokens": 4, "stream": True}
-                st, r, h = await post(http, router.url + "/v1/completions", req)
-                assert st == 200 and "error" not in r and r.rstrip().endswith("[DONE]"), r
-                assert h["x-llmd-attempts"] == "2"
-                assert dec.engine.faults.failed_transfers == 1
-                text = await metric_text(http, dec.url)
-                assert metric(text, "vllm:nixl_num_failed_transfers_total") == 1
-                rtext = await metric_text(http, router.url)
-                assert metric(rtext, "llmd_router_retries_total", reason="stream_error") == 1
+async def _one_failed_pull(model_dir: Path, route: str, req: dict) -> tuple[str, dict, str, str]:
+    """`req` through a router over a prefill and a decode engine whose next KV pull fails: (the streamed answer, its
+    headers, the decode engine's /metrics, the router's /metrics)."""
+    async with Servers() as sv, aiohttp.ClientSession() as http:
+        pre = await sv.start(engine(model_dir, "p0", role="prefill"))
+        dec = await sv.start(engine(model_dir, "d0", role="decode"))
+        async with Router(rconfig(model_dir, pd_threshold=16), [pod_of(pre), pod_of(dec)]) as router:
+            await until(lambda: all(p.healthy for p in router.registry.pods.values()), 10, "pods healthy")
+            assert dec.engine is not None
+            dec.engine.faults.fail_next_transfers = 1
+            st, r, h = await post(http, router.url + route, req)
+            assert st == 200 and "error" not in r and r.rstrip().endswith("[DONE]"), r
+            assert dec.engine.faults.failed_transfers == 1
+            return r, h, await metric_text(http, dec.url), await metric_text(http, router.url)
 
-    run(body)
+
+def test_failed_kv_transfer_is_retried_by_the_router_and_the_client_sees_none(model_dir: Path) -> None:
+    req = {"prompt": words(5, 200), "max_tokens": 4, "stream": True}
+    _, h, text, rtext = run(lambda: _one_failed_pull(model_dir, "/v1/completions", req))
+    assert h["x-llmd-attempts"] == "2"
+    assert metric(text, "vllm:nixl_num_failed_transfers_total") == 1
+    assert metric(rtext, "llmd_router_retries_total", reason="stream_error") == 1
 
 
 def test_dropped_kv_event_batch_is_a_gap_the_router_replays(model_dir: Path) -> None:
@@ -116,25 +118,11 @@ def test_failed_kv_transfer_after_a_chat_streams_role_chunk_is_retried(model_dir
     """On the chat API the engine sends the stream's role chunk before the failed pull reports its error (found by the
     soak benchmark: 12 client errors). The router holds chunks without output back, so the failure is still retried
     and the client gets one clean stream from the second attempt."""
-
-    async def body() -> None:
-        async with Servers() as sv, aiohttp.ClientSession() as http:
-            pre = await sv.start(engine(model_dir, "p0", role="prefill"))
-            dec = await sv.start(engine(model_dir, "d0", role="decode"))
-            async with Router(rconfig(model_dir, pd_threshold=16), [pod_of(pre), pod_of(dec)]) as router:
-                await until(lambda: all(p.healthy for p in router.registry.pods.values()), 10, "pods healthy")
-                assert dec.engine is not None
-                dec.engine.faults.fail_next_transfers = 1
-                msgs = [{"role": "user", "content": words(7, 200)}]
-                req = {"messages": msgs, "max_tokens": 4, "stream": True}
-                st, r, h = await post(http, router.url + "/v1/chat/completions", req)
-                assert st == 200 and "error" not in r and r.rstrip().endswith("[DONE]"), r
-                assert r.count('"role":"assistant"') == 1, r  # one opening, from the attempt that served it
-                assert h["x-llmd-attempts"] == "2" and dec.engine.faults.failed_transfers == 1
-                rtext = await metric_text(http, router.url)
-                assert metric(rtext, "llmd_router_retries_total", reason="stream_error") == 1
-
-    run(body)
+    req = {"messages": [{"role": "user", "content": words(7, 200)}], "max_tokens": 4, "stream": True}
+    r, h, _, rtext = run(lambda: _one_failed_pull(model_dir, "/v1/chat/completions", req))
+    assert r.count('"role":"assistant"') == 1, r  # one opening, from the attempt that served it
+    assert h["x-llmd-attempts"] == "2"
+    assert metric(rtext, "llmd_router_retries_total", reason="stream_error") == 1
 
 
 def test_starts_output_reads_only_whole_chunks() -> None:
