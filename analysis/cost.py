@@ -54,9 +54,12 @@ class GPUPrices:
         """The command line's one price, else the spec's `cost:` block; None when neither gives one."""
         if gpu_hour_usd is not None:
             return cls(gpu_hour_usd, gpu_hour_usd)
+        # A stored spec writes every field of the section, unset ones as null: null means "the fleet's price".
         base = spec_cost.get("gpu_hour_usd")
-        prefill = spec_cost.get("prefill_gpu_hour_usd", base)
-        decode = spec_cost.get("decode_gpu_hour_usd", base)
+        prefill = spec_cost.get("prefill_gpu_hour_usd")
+        decode = spec_cost.get("decode_gpu_hour_usd")
+        prefill = base if prefill is None else prefill
+        decode = base if decode is None else decode
         if not all(isinstance(v, int | float) and v >= 0 for v in (prefill, decode)):
             return None
         return cls(float(prefill), float(decode))

@@ -93,6 +93,22 @@ def test_cost_per_million_tokens() -> None:
     assert GPUPrices.of(None, {}) is None and GPUPrices.of(None, {"gpu_hour_usd": 1.5}) == GPUPrices(1.5, 1.5)
 
 
+def test_the_specs_cost_section_prices_a_stored_run() -> None:
+    """A spec's `cost:` loads, is stored whole (unset prices as null) and prices the run: a pool's own price, else the
+    fleet's."""
+    import yaml
+
+    from analysis.spec import cost_block
+    from llmd.spec import dump_spec, parse_spec
+
+    spec = parse_spec({"cost": {"gpu_hour_usd": 2.5, "decode_gpu_hour_usd": 3.0}})
+    stored = yaml.safe_load(dump_spec(spec))
+    assert stored["cost"]["prefill_gpu_hour_usd"] is None
+    assert GPUPrices.of(None, cost_block(stored)) == GPUPrices(2.5, 3.0)
+    assert GPUPrices.of(4.0, cost_block(stored)) == GPUPrices(4.0, 4.0)  # the command line wins
+    assert GPUPrices.of(None, cost_block(yaml.safe_load(dump_spec(parse_spec({}))))) is None
+
+
 def test_api_prices_name_their_source(tmp_path: Path) -> None:
     builtin = load_api_prices()
     assert builtin and all(p.source and p.date and p.cached_input <= p.input for p in builtin)

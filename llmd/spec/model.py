@@ -305,6 +305,15 @@ class MTPSpec(_Section):
         return self.draft_tokens > 0
 
 
+class CostSpec(_Section):
+    """What the GPUs cost, for `llmd analyze`'s cost per million tokens (set beside API prices). Only read by analysis:
+    nothing that runs uses it. A pool's own price overrides the fleet's."""
+
+    gpu_hour_usd: float | None = Field(default=None, gt=0, description="USD per GPU-hour, every pool.")
+    prefill_gpu_hour_usd: float | None = Field(default=None, gt=0, description="USD per prefill GPU-hour.")
+    decode_gpu_hour_usd: float | None = Field(default=None, gt=0, description="USD per decode GPU-hour.")
+
+
 class EngineSpec(_Section):
     """Which engine runs the pools: the simulated engine or vLLM."""
 
@@ -395,6 +404,7 @@ class DeploymentSpec(_Section):
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    cost: CostSpec = Field(default_factory=CostSpec)
 
     SECTIONS: ClassVar[tuple[str, ...]] = (
         "model",
@@ -407,6 +417,7 @@ class DeploymentSpec(_Section):
         "workload",
         "output",
         "slurm",
+        "cost",
     )
 
     @model_validator(mode="before")
