@@ -10,6 +10,7 @@ from collections import OrderedDict
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvutil import brute_prefixes
 
 from llmd.kv import index as kv_index
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -281,20 +282,7 @@ class Model:
                 s.discard(h)
 
     def query(self, hashes) -> dict:
-        out = {}
-        holders = {k[0] for k, s in self.held.items() if hashes and hashes[0] in s}
-        for holder in holders:
-            gpu = self.held.get((holder, "GPU"), set())
-            cpu = self.held.get((holder, "CPU"), set())
-            n = 0
-            while n < len(hashes) and (hashes[n] in gpu or hashes[n] in cpu):
-                n += 1
-            g = sum(1 for h in hashes[:n] if h in gpu)
-            gp = 0
-            while gp < n and hashes[gp] in gpu:
-                gp += 1
-            out[holder] = (n, g, gp)
-        return out
+        return brute_prefixes(self.held, hashes)
 
 
 HOLDERS = [("a", 0), ("a", 1), ("b", 0)]

@@ -7,24 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from kvutil import brute_prefixes
 
 from llmd.kv.index import KVIndex
 
 
 def _brute(stored: dict[tuple[tuple[str, int], str], set[int]], hashes: list[int]) -> list[tuple]:
-    out = []
-    holders = {h for (h, _), s in stored.items() if hashes and hashes[0] in s}
-    for holder in holders:
-        gpu = stored.get((holder, "GPU"), set())
-        cpu = stored.get((holder, "CPU"), set())
-        n = 0
-        while n < len(hashes) and (hashes[n] in gpu or hashes[n] in cpu):
-            n += 1
-        g = sum(1 for h in hashes[:n] if h in gpu)
-        gp = 0
-        while gp < n and hashes[gp] in gpu:
-            gp += 1
-        out.append((holder, n, g, gp))
+    """brute_prefixes in the index's answer order: by holder, then longest and most in GPU first (stable)."""
+    out = [(holder, *counts) for holder, counts in brute_prefixes(stored, hashes).items()]
     out.sort(key=lambda m: m[0])
     out.sort(key=lambda m: (m[1], m[2]), reverse=True)
     return out
