@@ -303,22 +303,16 @@ class Upstream:
                     raise Retry(f"status_{status}", pod.name, pod_down=False, last=resp)
                 return resp
             # Streaming: hold the client's headers until the engine's first bytes, so a pod failing before then is
-            # still retried elsewhere; after that, pass every chunk on as it arrives.
+            # still retried elsewhere; after that, pass every chunk on as it arrives. A chat stream opens with a role
+            # chunk before its first token, and an engine that fails the request then (a failed KV pull) sends its
+            # error event after it: chunks without output are held back too until output, an error or the end comes,
+            # so such a failure is still retried, not passed on. They come together with the first token otherwise,
+            # so holding costs no time to first token.
             try:
                 async with leg.deadline(self.first_byte_s):
                     first = await up.content.readany()
-            except TimeoutError as exc:
-                self._timed_out(ctx, leg, "after its response headers")
-                raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
-            except (aiohttp.ClientError, OSError) as exc:
-                raise Retry("stream_start", pod.name, pod_down=False) from exc
-            if not first:
-                raise Retry("empty_stream", pod.name, pod_down=False)
-            # A chat stream opens with a role chunk before its first token, and an engine that fails the request
-            # then (a failed KV pull) sends its error event after it: hold chunks without output back until output,
-            # an error or the end comes, so such a failure is still retried, not passed on. They come together with
-            # the first token otherwise, so holding costs no time to first token.
-            try:
+                if not first:
+                    raise Retry("empty_stream", pod.name, pod_down=False)
                 async with leg.deadline(self.first_byte_s):
                     while len(first) < _HOLD_MAX and not starts_output(first):
                         more = await up.content.readany()
