@@ -263,14 +263,7 @@ class SimRouter:
             return
         # A token inside the stream changes nothing but the call's own record, read when the run ends: written now, at
         # the time it reaches the client, instead of as an event of its own (most of a run's events at 544 GPUs).
-        if out.new_token_ids:
-            call: Call = job.handle
-            at = t + self.params.hop_s
-            if call.first_token is None:
-                call.first_token = at
-                call.cached_tokens = out.num_cached_tokens
-            call.token_times.append(at)
-            call.output_tokens += len(out.new_token_ids)
+        _record_tokens(job.handle, out, t + self.params.hop_s)
 
     def _relay(self, job: Job, out: RequestOutput) -> None:
         """An engine output as the client receives it (its first token, the rest of the stream, its end)."""
@@ -287,12 +280,7 @@ class SimRouter:
             else:
                 self._end(call, 502, outcome.error)
             return
-        if out.new_token_ids:
-            if call.first_token is None:
-                call.first_token = t
-                call.cached_tokens = out.num_cached_tokens
-            call.token_times.append(t)
-            call.output_tokens += len(out.new_token_ids)
+        _record_tokens(call, out, t)
         if out.finished:
             flight = job.flight
             assert flight is not None
@@ -312,3 +300,13 @@ class SimRouter:
         if cost > 0:
             for pod in self.fleet.pods:
                 self.engine_hosts[pod.name].stall(cost)
+
+
+def _record_tokens(call: Call, out: RequestOutput, at: float) -> None:
+    """An output's tokens as the client sees them arrive at `at`: its first token, then each one's time."""
+    if out.new_token_ids:
+        if call.first_token is None:
+            call.first_token = at
+            call.cached_tokens = out.num_cached_tokens
+        call.token_times.append(at)
+        call.output_tokens += len(out.new_token_ids)
