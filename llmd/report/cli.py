@@ -60,7 +60,7 @@ def run_merge(args: argparse.Namespace) -> int:
     # (read_meta's UnreadableMetrics is a UserError that names the file and what to do.)
     metas = {f.resolve(): read_meta(f) for f in files}
     if target.exists():
-        meta = metas.get(target.resolve()) or read_meta(target)
+        meta = metas[target.resolve()] if target.resolve() in metas else read_meta(target)
         if meta.get("producer") == "merge":
             raise UserError(f"{target} is already a merged run file; merge the per-process files into another run")
         if client.exists():

@@ -97,13 +97,25 @@ def write_spec(folder: Path, tokenizer: Path, name: str, **sections: Any) -> Pat
 
 
 def llmd(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = llmd_start(*args, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def llmd_start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`llmd ARGS` started in `cwd` with this test's own state folder, its output captured; `llmd` waits for it."""
     full_env = {**os.environ, "LLMD_STATE_DIR": str(cwd / ".llmd-state"), **(env or {})}
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "llmd.cli", *args],
         cwd=cwd,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env=full_env,
     )
 

@@ -9,14 +9,12 @@ The failure: once point 2 is done, the model folder the points share is moved aw
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import llmd, wait_for, write_spec
+from conftest import llmd, llmd_start, wait_for, write_spec
 
 from llmd.metrics import read_meta
 
@@ -53,11 +51,7 @@ def test_sweep_fails_one_point_retries_it_and_resumes(tmp_path: Path, tiny_token
     assert "#SBATCH --array=0-3%1" in (root / "scripts" / "array-0.sbatch").read_text()
     # Resume at once (every point checked, nothing to submit) and follow the array to its end, while point 3, the
     # last, loses its model folder as soon as point 2 is done.
-    env = {**os.environ, "LLMD_STATE_DIR": str(tmp_path / ".llmd-state")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmd.cli", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = llmd_start(*args, cwd=tmp_path)
     away = tmp_path / "model-away"
     try:
         wait_for(lambda: (root / "2" / "run.json").exists() and _run(root, 2).get("recorded_at"), 240, "points 0-2")
