@@ -146,3 +146,51 @@ def test_stalled_prefill_pod_falls_back_to_decode_only_after_the_first_byte_boun
                 assert 0.5 <= time.monotonic() - t0 < 3.0
 
     run(body, 30)
+
+
+class HealthStarved(SimServer):
+    """`starved`: /health hangs while the engine keeps serving, as a CPU-bound vLLM's API server on a loaded node
+    answers its probes late (a CI failure: the only decode pod marked down mid-prefill, its request cut into a 503)."""
+
+    starved = False
+
+    def _build_app(self) -> Any:
+        from aiohttp import web
+
+        app = super()._build_app()
+
+        async def hang(request: Any, handler: Any) -> Any:
+            if self.starved and request.path == "/health":
+                await asyncio.Event().wait()
+            return await handler(request)
+
+        app.middlewares.insert(0, web.middleware(hang))
+        return app
+
+
+def test_the_only_pod_marked_down_while_busy_still_answers_its_request(model_dir: Path) -> None:
+    """With nowhere else to go, a request not yet answered is not cut when its pod is marked down: the answer the pod
+    may still give beats an error now (a hung pod is still bounded by the first-byte timeout)."""
+
+    async def body() -> None:
+        async with Servers() as sv, aiohttp.ClientSession() as http:
+            s = await sv.start(engine(model_dir, "e0", time_scale=5.0), HealthStarved)
+            assert isinstance(s, HealthStarved)
+            async with Router(rconfig(model_dir, **FAST_HEALTH), [pod_of(s)]) as router:
+                req = {"prompt": words(3, 60), "max_tokens": 1500, "ignore_eos": True}
+                task = asyncio.create_task(http.post(router.url + "/v1/completions", json=req))
+                await until(lambda: busy(s), what="the request to reach the engine")
+                s.starved = True
+                pod = router.registry.get("e0")
+                assert pod is not None
+                await until(lambda: not pod.healthy, what="the router to mark the starved pod down")
+                assert not task.done()  # marked down while its request was still being computed
+                resp = await task
+                data = await resp.json()
+                assert resp.status == 200, data
+                assert resp.headers["x-llmd-attempts"] == "1"
+                assert data["usage"]["completion_tokens"] == 1500
+                text = await metric_text(http, router.url)
+                assert metric(text, "llmd_router_errors_total", kind="upstream_timeout") == 0
+
+    run(body, 30)

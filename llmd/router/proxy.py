@@ -226,10 +226,17 @@ class Router:
         self.hub.unsubscribe_now(pod.name)
         self.core.pod_down(pod.name)
         # A pod that stopped answering /health may be hung: its requests in flight that have gone silent are cut, so
-        # that a hung engine does not hang its clients. One taken out for another reason (removed from discovery to
-        # drain it) keeps serving what it has.
+        # that a hung engine does not hang its clients (those not yet answered only where another pod can take them).
+        # One taken out for another reason (removed from discovery to drain it) keeps serving what it has.
         if pod.failures:
-            self.upstream.pod_down(pod.name)
+            self.upstream.pod_down(pod.name, elsewhere=self._elsewhere(pod))
+
+    def _elsewhere(self, pod: Pod) -> bool:
+        """Could another healthy pod take over `pod`'s requests? A prefill pod's by any (decode serves alone), a
+        serving pod's by another serving pod (the prefill pool serves none)."""
+        return any(
+            p is not pod and (pod.info.role == "prefill" or p.info.role != "prefill") for p in self.registry.healthy()
+        )
 
     def _pump(self) -> None:
         self._settle(self.core.pump(time.monotonic()))

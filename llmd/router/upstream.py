@@ -4,7 +4,10 @@ prefill hop, and the failures that leave an attempt retryable (nothing has reach
 Every exchange with an engine (a leg) runs under a deadline: `first_byte_s` until the engine's first bytes, then
 `idle_s` between any two moves of the stream (a chunk in from the engine, or out to the client: a client that stops
 reading is a peer that hangs too). When the health loop marks a pod down, its legs may stay silent for `down_grace_s`
-at most: a hung (SIGSTOPped, wedged) engine holds its requests no longer than it takes to notice it.
+at most: a hung (SIGSTOPped, wedged) engine holds its requests no longer than it takes to notice it. A leg that
+nothing has reached the client from yet is cut only when another pod could serve it: a pod too busy to answer /health
+(a CPU-bound engine on a loaded node) looks just like a hung one, and with nowhere else to go the answer it may still
+give beats an error now (the first-byte and idle bounds still hold).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class Leg:
     (a chunk went by) pushes the deadline on; `cut` (the pod was marked down) shrinks the allowed silence to the grace
     and fires at once if the leg has been silent that long already."""
 
-    __slots__ = ("_cm", "_next_arm", "idle_s", "last", "loop", "on_client", "pod", "why")
+    __slots__ = ("_cm", "_next_arm", "idle_s", "last", "loop", "on_client", "pod", "streaming", "why")
 
     def __init__(self, pod: str, loop: asyncio.AbstractEventLoop) -> None:
         self.pod = pod
@@ -81,6 +84,7 @@ class Leg:
         self.idle_s = float("inf")  # the current phase's allowed silence
         self.why = ""  # set by cut(): why the leg ended early
         self.on_client = False  # awaiting the client (a write), not the engine
+        self.streaming = False  # bytes reached the client: no other pod can take the request over any more
         self._cm: asyncio.Timeout | None = None
         self._next_arm = 0.0
 
@@ -221,10 +225,12 @@ class Upstream:
             if not legs:
                 self.legs.pop(pod, None)
 
-    def pod_down(self, pod: str) -> None:
-        """The pod was marked down: its legs may stay silent for the grace at most (a hung engine)."""
+    def pod_down(self, pod: str, elsewhere: bool) -> None:
+        """The pod was marked down: its legs may stay silent for the grace at most (a hung engine); those still
+        retryable only if another pod could serve them (`elsewhere`)."""
         for leg in list(self.legs.get(pod, ())):
-            leg.cut("was marked down", self.down_grace_s)
+            if leg.streaming or elsewhere:
+                leg.cut("was marked down", self.down_grace_s)
 
     async def prefill(self, pod: str, url: str, body: bytes, headers: dict[str, str]) -> PrefillResult:
         assert self.http is not None
@@ -333,6 +339,7 @@ class Upstream:
             self.metrics.first_byte_time.observe(dt)
             out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
             resp = web.StreamResponse(status=200, headers=_response_headers(up, out_headers))
+            leg.streaming = True
             broke: str | None = None
             try:
                 try:
