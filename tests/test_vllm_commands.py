@@ -53,25 +53,27 @@ def test_tiny_full_command_lines():
         "--enable-prefix-caching --prefix-caching-hash-algo sha256 --max-model-len 1024 --max-num-seqs 256 "
         "--max-num-batched-tokens 8192 --tensor-parallel-size 1 --gpu-memory-utilization 0.9 "
         "--kv-events-config "
-        """'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","""
+        """'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","""
         """"replay_endpoint":"tcp://{host}:{rp}","topic":"kv"}}' """
         """--kv-transfer-config '{{"kv_connector":"NixlConnector","kv_role":"kv_both","engine_id":"{eid}"}}'"""
     )
     assert shlex.join(launches[0].argv) == (
         f"python -m {API_SERVER_MODULE} "
-        + common.format(host="10.0.0.1", port=8100, ev=9100, rp=11100, eid="prefill-0")
+        + common.format(host="10.0.0.1", port=8100, rp=11100, eid="prefill-0")
         + " --enforce-eager"
     )
     assert shlex.join(launches[1].argv) == f"python -m {API_SERVER_MODULE} " + common.format(
-        host="10.0.0.2", port=8200, ev=9200, rp=11200, eid="decode-0"
+        host="10.0.0.2", port=8200, rp=11200, eid="decode-0"
     )
     assert launches[0].env == {
         "PYTHONHASHSEED": "0",
+        "VLLM_HOST_IP": "10.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "10100",
     }
     assert launches[1].env == {
         "PYTHONHASHSEED": "0",
+        "VLLM_HOST_IP": "10.0.0.2",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "10200",
         "FOO": "bar",
@@ -141,13 +143,15 @@ def test_glm_kv_events_nixl_and_multiconnector_per_replica(glm):
         ep = endpoints[(x.role, x.replica)]
         events = json.loads(_flag(x.argv, "--kv-events-config"))
         # The node's own address (a placeholder the launcher fills), never every interface; vLLM binds the replay
-        # socket wherever it is told, but reads an explicit PUB host as "connect", so the PUB keeps `*`.
+        # socket wherever it is told, but reads an explicit PUB host as "connect" and `tcp://*:P` as every interface:
+        # the PUB takes `tcp://*:0`, a free port on VLLM_HOST_IP.
         host = _flag(x.argv, "--host")
         assert host == (head_placeholder(x.role, x.replica) if x.node_index == 0 else NODE_ADDRESS)
+        assert x.env["VLLM_HOST_IP"] == host
         assert events == {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{ep.kv_events_port}",
+            "endpoint": "tcp://*:0",
             "replay_endpoint": f"tcp://{host}:{ep.replay_port}",
             "topic": "kv",
         }

@@ -4,6 +4,7 @@ bands and the checks made before minutes of start-up are spent. Real servers: te
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import time
@@ -58,7 +59,7 @@ def test_cpu_argv_resolves_placeholders_and_sets_cpu_flags(tmp_path: Path) -> No
         assert _flag(argv, "--kv-cache-memory-bytes") == str(CPU_KV_CACHE_BYTES)
         assert "--enforce-eager" in argv and argv.count("--gpu-memory-utilization") == 1
         env = cpu_env(launch)
-        assert env["HF_HUB_OFFLINE"] == "1"
+        assert env["HF_HUB_OFFLINE"] == "1" and env["UCX_NET_DEVICES"] == "lo"  # NIXL on loopback, nothing wider
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
         assert "PYTHONHASHSEED" not in env
     # Every server its own NIXL side channel.
@@ -78,8 +79,11 @@ def test_pods_match_the_layout(tmp_path: Path) -> None:
     assert [p.name for p in pods] == ["prefill-0", "decode-0", "decode-1"]
     for launch, pod in zip(launches, pods, strict=True):
         assert pod.url == f"http://127.0.0.1:{launch.http_port}"
-        events = launch.argv[launch.argv.index("--kv-events-config") + 1]
-        assert pod.kv_events_endpoint is not None and pod.kv_events_endpoint.replace("*", "") in events.replace("*", "")
+        events = json.loads(launch.argv[launch.argv.index("--kv-events-config") + 1])
+        # The PUB port is vLLM's to pick (tcp://*:0): unknown until the server says; the replay one is laid out.
+        assert pod.kv_events_endpoint is None and events["endpoint"] == "tcp://*:0"
+        assert pod.kv_events_replay_endpoint is not None
+        assert pod.kv_events_replay_endpoint.rsplit(":", 1)[1] == events["replay_endpoint"].rsplit(":", 1)[1]
         assert pod.engine_id == pod.name and pod.side_channel_port == int(
             cpu_env(launch)["VLLM_NIXL_SIDE_CHANNEL_PORT"]
         )
@@ -125,7 +129,7 @@ def test_pods_of_data_parallel_replicas(tmp_path: Path) -> None:
     spec = _spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 2, "gpus_per_node": 2, "dp_size": 4})
     per_rank = pods_of(spec, vllm_launches(spec, mode="per-rank"), "per-rank")
     assert [(p.name, p.dp_size) for p in per_rank] == [(f"decode-0-rank{r}", 1) for r in range(4)]
-    assert len({p.kv_events_endpoint for p in per_rank}) == 4
+    assert len({p.kv_events_replay_endpoint for p in per_rank}) == 4
     head = [p for p in pods_of(spec, vllm_launches(spec), "head-headless") if p is not None]
     assert [(p.name, p.dp_size) for p in head] == [("decode-0", 4)]
 

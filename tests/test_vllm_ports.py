@@ -102,8 +102,8 @@ def test_move_taken_ports_moves_only_what_is_taken(tmp_path: Path) -> None:
         argv, env = move_taken_ports(launch.argv, launch.env, "127.0.0.1")
     assert argv[argv.index("--port") + 1] == "0"
     config = json.loads(argv[argv.index("--kv-events-config") + 1])
-    assert config["endpoint"] == f"tcp://*:{taken + 1000}"  # free: kept
-    assert "VLLM_HOST_IP" not in env
+    assert config["replay_endpoint"].endswith(f":{taken + 3000}")  # free: kept
+    assert config["endpoint"] == "tcp://*:0"  # the PUB socket always takes a free port on VLLM_HOST_IP
     # After an EADDRINUSE exit every port moves; the side channel to a probed free one (vLLM cannot take 0 there).
     argv, env = move_taken_ports(launch.argv, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}, "127.0.0.1", every=True)
     config = json.loads(argv[argv.index("--kv-events-config") + 1])

@@ -9,12 +9,14 @@ environment; launchers (Slurm, local) only place and run them. Ports come from `
   cannot collide with the layout's HTTP, KV-events, side-channel or replay ports while a pool has fewer than 1000 ranks
   (checked).
 - DP RPC (`--data-parallel-rpc-port`, the same on every node of a replica): pool.port + DP_RPC_OFFSET + replica.
-- KV events: one config per replica with the layout's rank-0 ports; vLLM adds the DP rank to both the publisher and
-  the replay endpoint's port itself (`offset_endpoint_port`), which is the layout's "+ rank".
+- KV events: one config per replica: the publisher on `tcp://*:0` (a free port per rank on the node's address, read
+  back from /kv_event_sources), the replay endpoint on the layout's rank-0 port, to which vLLM adds the DP rank itself
+  (`offset_endpoint_port`), which is the layout's "+ rank".
 - NIXL side channel: VLLM_NIXL_SIDE_CHANNEL_PORT is the layout's rank-0 port; vLLM adds the DP index itself.
 
 Listeners: the API server binds the node's own address (`--host`, the head address or NODE_ADDRESS), never 0.0.0.0,
-and so does the KV-event replay socket; the KV-event PUB socket binds `*` (see kv_events_config).
+and so does the KV-event replay socket; the KV-event PUB socket too, through `tcp://*:0` (see kv_events_config), so its
+port is always the one vLLM reports, never the layout's.
 
 `port: auto` (the layout's ports are 0): vLLM binds and the launcher reads back what it got (llmd.engines.vllm_server):
 `--port 0`; KV events and replay `tcp://*:0` with VLLM_HOST_IP the node's address (vLLM 0.32 binds a free port there
@@ -92,13 +94,16 @@ def _gib(nbytes: int) -> str:
 
 def kv_events_config(ep: EngineEndpoint, host: str = "*") -> str:
     """vLLM's ZmqEventPublisher (0.32) binds its PUB socket only for a `*`, `::`, ipc:// or inproc:// endpoint and
-    connects for any other host, so the PUB endpoint keeps `*` (every interface; an explicit address would make vLLM
-    dial out to it). Its replay ROUTER is always bound, so that one gets the node's own address `host`."""
+    connects for any other host: an explicit address would make it dial out, and `tcp://*:P` listens on every
+    interface. Exactly `tcp://*:0` binds a free port on VLLM_HOST_IP (the node's own address, set by _env) instead, and
+    each DP rank gets its own; vLLM serves what was bound on /kv_event_sources, which the launchers publish
+    (llmd.engines.vllm_server.bound_kv_sources). Its replay ROUTER is always bound, so that one gets `host` and the
+    layout's port."""
     return _json(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": ep.kv_events_endpoint(bind=True),
+            "endpoint": "tcp://*:0",
             # vLLM binds a free port only for exactly tcp://*:0, on VLLM_HOST_IP (set by _env).
             "replay_endpoint": f"tcp://{host}:{ep.replay_port}" if ep.replay_port else "tcp://*:0",
             "topic": "kv",
@@ -187,8 +192,7 @@ def _env(spec: DeploymentSpec, pool: PoolSpec, ep: EngineEndpoint, host: str) ->
     env: dict[str, str] = {}
     if spec.model.hash_seed is not None:
         env["PYTHONHASHSEED"] = spec.model.hash_seed
-    if not ep.kv_events_port or not ep.replay_port:
-        env["VLLM_HOST_IP"] = host  # where vLLM binds tcp://*:0
+    env["VLLM_HOST_IP"] = host  # where vLLM binds tcp://*:0 (the KV-event PUB socket always)
     if spec.disaggregated:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ep.side_channel_port)  # "0": the launcher picks a free one

@@ -50,9 +50,9 @@ from llmd.engines.vllm import (
 from llmd.engines.vllm_server import (
     EngineStartError,
     address_in_use,
-    bound_kv_sources,
     log_tail,
     move_taken_ports,
+    required_kv_sources,
     side_channel_ports,
     stop_process_group,
     wait_bound_http,
@@ -116,6 +116,9 @@ def cpu_env(launch: EngineLaunch, extra: Mapping[str, str] | None = None) -> dic
     NONE_HASH and so every block hash), plus the launch's (placeholders resolved) and offline mode."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env["HF_HUB_OFFLINE"] = "1"
+    # Every server of a local deployment is on this machine: NIXL's UCX transports stay on loopback (left to itself,
+    # UCX listens on the machine's network address for peers that will never come from there).
+    env.setdefault("UCX_NET_DEVICES", "lo")
     env.update({k: _resolve(v, launch) for k, v in launch.env.items()})
     env.update(extra or {})
     return env
@@ -172,7 +175,7 @@ def pods_of(spec: DeploymentSpec, launches: Iterable[EngineLaunch], mode: Launch
                 role=launch.role,
                 url=f"http://{LOCALHOST}:{launch.http_port}",
                 dp_size=dp,
-                kv_events_endpoint=f"tcp://*:{ep.kv_events_port + first}",
+                kv_events_endpoint=None,  # bound on a free port: known once the server says (required_kv_sources)
                 kv_events_replay_endpoint=f"tcp://{LOCALHOST}:{ep.replay_port + first}",
                 side_channel_host=LOCALHOST if nixl else None,
                 side_channel_port=ep.side_channel_port + first if nixl else None,
@@ -370,7 +373,7 @@ class VllmDeployment:
                 what = str(exc) if dead is p else f"vLLM {dead.name} exited with code {dead.proc.returncode}"
                 raise EngineStartError(f"{what}; log {dead.log}:\n{log_tail(dead.log)}") from None
             url = f"http://{LOCALHOST}:{port}"
-            bound = {"http_port": port, **bound_kv_sources(url)}
+            bound = {"http_port": port, **required_kv_sources(url, name)}
             if p.pod.side_channel_port is not None:
                 ranks = p.launch.ranks if self.mode == "per-rank" else list(range(p.pod.dp_size))
                 bound["side_channel_ports"] = side_channel_ports(p.env, ranks)

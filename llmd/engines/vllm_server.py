@@ -219,6 +219,23 @@ def bound_kv_sources(url: str, timeout_s: float = 5.0) -> dict[str, list[str]]:
     return out if all(out["kv_events_endpoints"]) else {}
 
 
+def required_kv_sources(url: str, name: str, timeout_s: float = 10.0) -> dict[str, list[str]]:
+    """`bound_kv_sources`, which a vLLM launch cannot do without: its KV-event PUB socket binds `tcp://*:0`
+    (llmd.engines.vllm.kv_events_config), so /kv_event_sources is the only place its port is written. Asked again
+    for a few seconds (a server answers /health as its last engine core reports in); then an error naming the server."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = bound_kv_sources(url)
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise EngineStartError(
+                f"{name} at {url} did not say on /kv_event_sources which KV-event endpoints it bound; llmd needs a "
+                "vLLM that serves it (0.32 or later, the version the project pins)"
+            )
+        time.sleep(0.25)
+
+
 def address_in_use(log: Path) -> bool:
     """Whether a server that exited did so because a port it was given was taken."""
     tail = log_tail(log, 80)

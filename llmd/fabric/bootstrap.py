@@ -222,7 +222,7 @@ def _wait_bound(
 ) -> list[Any]:
     """Wait for `proc` to answer as this run's; its discovery entries with the ports it really bound."""
     from llmd.discovery import with_bound_ports
-    from llmd.engines.vllm_server import bound_kv_sources, side_channel_ports, wait_bound_http, wait_healthy
+    from llmd.engines.vllm_server import required_kv_sources, side_channel_ports, wait_bound_http, wait_healthy
 
     run_id = runid.from_env()
     port = int(proc.argv[proc.argv.index("--port") + 1])
@@ -235,7 +235,8 @@ def _wait_bound(
         port = wait_bound_http(child, host, timeout, log, name=proc.name, run_id=run_id, others=others)
     out = []
     for entry in proc.discovery:
-        bound: dict[str, Any] = {"http_port": port, **bound_kv_sources(entry.url.rsplit(":", 1)[0] + f":{port}")}
+        url = entry.url.rsplit(":", 1)[0] + f":{port}"
+        bound: dict[str, Any] = {"http_port": port, **required_kv_sources(url, proc.name)}
         if entry.side_channel_port is not None:
             bound["side_channel_ports"] = side_channel_ports(proc.env, range(entry.dp_size))
         out.append(with_bound_ports(entry, bound))

@@ -22,6 +22,7 @@ from vllmutil import (
     pod_named,
     post,
     post_async,
+    process_tree,
     require_vllm,
     router_config,
     run_bounded,
@@ -30,6 +31,7 @@ from vllmutil import (
 )
 
 from llmd.engines.vllm_deploy import VllmDeployment, with_free_ports
+from llmd.engines.vllm_server import listening_ports
 from llmd.router.proxy import Router
 from llmd.spec.model import DeploymentSpec
 
@@ -103,3 +105,17 @@ def test_pd_two_hop_transfers_the_prompt_and_matches_a_single_server(pd: VllmDep
     assert computed == 0, f"decode recomputed {computed} prompt tokens (external {external})"
     assert nixl_bytes > 0
     assert data["choices"][0]["text"] == single["choices"][0]["text"]
+
+
+def test_every_listener_binds_the_node_address(pd: VllmDeployment) -> None:
+    """No socket of either server (API servers, engine cores, NIXL side channels, KV-event PUB and replay) listens on
+    every interface: each binds the node's own address, here 127.0.0.1. The KV-event PUB sockets are where vLLM
+    said they are (vLLM reads `tcp://*:P` as every interface, so llmd gives it `tcp://*:0` on VLLM_HOST_IP)."""
+    for p in pd.processes:
+        assert p.pod is not None and p.pod.kv_events_endpoint is not None
+        listeners = [(pid, a) for pid in process_tree(p.proc.pid) for a in listening_ports(pid)]
+        wide = [(pid, a, Path(f"/proc/{pid}/cmdline").read_text()[:80]) for pid, a in listeners if a[0] != "127.0.0.1"]
+        assert listeners and not wide, (p.pod.name, wide)
+        ports = {port for _, (_, port) in listeners}
+        host, _, port = p.pod.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
+        assert host == "127.0.0.1" and int(port) in ports, (p.pod.kv_events_endpoint, listeners)

@@ -11,9 +11,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
-from vllmutil import post_async, require_vllm, router_config, run_bounded, until_ready
+from vllmutil import post_async, process_tree, require_vllm, router_config, run_bounded, until_ready
 
 from llmd.engines.vllm_deploy import VllmDeployment, with_free_ports
+from llmd.engines.vllm_server import listening_ports
 from llmd.router.proxy import Router
 from llmd.spec.layout import KV_EVENTS_OFFSET
 from llmd.spec.model import DeploymentSpec
@@ -67,6 +68,13 @@ def test_squatted_decode_ports_move_and_the_run_completes(dense_model: Path, tmp
             assert urlsplit(pod.url).port != base, pod
             assert not pod.kv_events_endpoint.endswith(f":{base + KV_EVENTS_OFFSET}"), pod
             assert pod.kv_events_endpoint.startswith("tcp://127.0.0.1:"), pod  # as vLLM bound it
+            # Nothing of the server listens on every interface: the API, the KV-event PUB and replay sockets all
+            # bind the node's own address (here 127.0.0.1), in the API server and in its engine core alike.
+            (proc,) = dep.processes
+            listeners = [(pid, a) for pid in process_tree(proc.proc.pid) for a in listening_ports(pid)]
+            assert listeners and all(addr == "127.0.0.1" for _, (addr, _) in listeners), listeners
+            ports = {port for _, (_, port) in listeners}
+            assert int(pod.kv_events_endpoint.rsplit(":", 1)[1]) in ports
 
             async def routed() -> None:
                 async with Router(router_config(dep, "precise"), dep.pods) as router:

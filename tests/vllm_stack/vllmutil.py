@@ -10,6 +10,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -156,4 +157,22 @@ def session_turns(seed: int, turns: int, system_words: int = 50, user_words: int
         history.append({"role": "user", "content": f"Turn {t}: " + words(rng, user_words)})
         out.append(list(history))
         history.append({"role": "assistant", "content": words(rng, 10)})
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
     return out
