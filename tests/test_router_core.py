@@ -347,6 +347,14 @@ def test_pd_plan_holds_both_slots_until_each_hop_ends_and_learns_the_prefill_eng
     assert pre.ranks[0].engine_id == "E" and pre.ranks[0].side_channel == ("h", 7)
     core.complete(f, 1.0)
     assert core.stats()["inflight"] == 0
+    # Each hop's end settled the speculative entries it made: from a moment later the KV index alone says what the
+    # prefill pod (computed at 0.5) and the decode pod (done at 1.0) hold.
+    spec = core.scheduler.speculative
+    assert spec is not None and len(spec._settled) == 2
+    hashes = j.req.block_hashes
+    assert set(spec.match(hashes, 0.55)) == {("p0", 0), ("d0", 0)}
+    assert set(spec.match(hashes, 0.55 + spec.settle_s)) == {("d0", 0)}
+    assert spec.match(hashes, 1.0 + spec.settle_s) == {}
     # A prefill pod that refuses the connection leaves routing; the request goes on decode-only.
     j2 = job(2, 40)
     f2 = admitted(core, j2, 2.0)

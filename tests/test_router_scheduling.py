@@ -318,6 +318,39 @@ def test_speculative_index_match_expire_prune_bound() -> None:
     assert off.match(h, now=0.0) == {}
 
 
+def test_speculative_settle_ends_an_entry_soon_unless_a_later_insert_refreshed_it() -> None:
+    sp = SpeculativeIndex(ttl_s=2.0, settle_s=0.1)
+    h = blocks(50, 1)
+    sp.insert(A.holder, h[:40], now=0.0)
+    sp.insert(A.holder, h[:10], now=0.5)  # a burst sibling on its way: shares the first 10 blocks
+    sp.settle(A.holder, h[:40], routed_at=0.0, now=1.0)  # the first request was computed
+    assert sp.match(h, now=1.05) == {A.holder: 40}  # its KV events are on their way
+    assert sp.match(h, now=1.2) == {A.holder: 10}  # the sibling's part stays until it is computed or expires
+    sp.settle(A.holder, h[:40], routed_at=0.0, now=1.0)  # again, or for a request never inserted: nothing changes
+    sp.settle(B.holder, h, routed_at=0.0, now=1.0)
+    assert sp.match(h, now=2.4) == {A.holder: 10}
+    assert sp.match(h, now=2.5) == {}
+    sp.prune(3.0)
+    assert len(sp) == 0 and not sp._settled
+
+
+def test_a_computed_prefix_the_engine_evicted_stops_counting() -> None:
+    """Speculative entries bridge the time until the engine's KV events arrive, no longer: once the routed request is
+    computed, the index's eviction events are what counts (before, an entry outlived an eviction by up to its TTL and
+    sent the session's next turn back to recompute its prefix where it no longer was)."""
+    s = Scheduler(spec(speculative_ttl_s=2.0), seed=0)
+    prefix = blocks(50, 7)
+    first = burst(s, 1, prefix, now=0.0)[0]
+    ix = KVIndex()
+    ix.store(first.target.holder, prefix)  # computed: the engine said so...
+    ix.remove(first.target.holder, prefix[10:])  # ...and evicted most of it again under KV pressure
+    r = request([*prefix, 99], "next-turn")
+    assert s.schedule(r, snap(FOUR), ix, now=0.5).gpu_hit_tokens == 50 * BS  # the entry still overrides the index
+    s.observe_computed(first.target.holder, prefix, routed_at=0.0, now=0.5)
+    assert s.schedule(r, snap(FOUR), ix, now=0.55).gpu_hit_tokens == 50 * BS  # its events may still be on their way
+    assert s.schedule(r, snap(FOUR), ix, now=0.7).gpu_hit_tokens == 10 * BS  # the index alone: what is really there
+
+
 def test_speculative_partial_prefix_binary_search() -> None:
     sp = SpeculativeIndex(2.0)
     h = blocks(100, 1)
@@ -353,6 +386,9 @@ def test_speculative_match_ids_is_match(seed, max_blocks) -> None:
             chains.append(chain)
             for holder in rng.sample(holders, rng.choice((1, 1, 2))):
                 sp.insert(holder, chain, now)
+        elif r < 0.53 and chains:
+            # A request computed where it went: its entries settle (a later insert's refreshed prefix keeps its own).
+            sp.settle(rng.choice(holders), rng.choice(chains), now - rng.choice((0.0, 0.5, 1.5)), now)
         elif r < 0.55:
             sp.forget_pod(rng.choice(holders)[0])
         elif r < 0.6:

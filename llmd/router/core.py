@@ -339,7 +339,7 @@ class RouterCore:
         self.scheduler.observe_routed(req, d, now)
         uncached = max(0, req.num_tokens - d.expected_hit_tokens)
         ld = self.ledger.take(d.target.holder, uncached, kv)
-        flight = Flight(d, target, d.target.dp_rank, uncached, ld, kv)
+        flight = Flight(d, target, d.target.dp_rank, uncached, ld, kv, routed_at=now)
         if d.pd is not None and not job.no_kv_transfer:
             pre = self._pods.get(d.pd.prefill.pod)
             if pre is not None:
@@ -421,6 +421,7 @@ class RouterCore:
         if flight.released:
             return []
         flight.released = True
+        self.scheduler.observe_computed(flight.decision.target.holder, flight.kv[0], flight.routed_at, now)
         out = self.release_prefill(flight, now)
         out += self._give(flight.load, flight.uncached, flight.kv, now)
         return out
@@ -431,6 +432,7 @@ class RouterCore:
             return []
         flight.prefill = flight.prefill_load = None
         assert flight.decision.pd is not None
+        self.scheduler.observe_computed(flight.decision.pd.prefill.holder, flight.prefill_kv[0], flight.routed_at, now)
         return self._give(ld, flight.decision.pd.uncached_tokens, flight.prefill_kv, now)
 
     def _give(self, ld: Load, tokens: int, kv: KVKey, now: float) -> list[Job]:

@@ -45,6 +45,7 @@ class Flight:
     prefill_kv: KVKey = NO_KV  # the prompt (and one token) the prefill endpoint holds until the decode pod pulls it
     prefill_load: Load | None = None
     released: bool = False
+    routed_at: float = 0.0  # when the decision was taken (the speculative entries it made are settled from it)
 
 
 class Ledger:

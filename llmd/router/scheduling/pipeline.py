@@ -498,6 +498,14 @@ class Scheduler:
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
 
+    def observe_computed(self, holder: Holder, block_hashes: Sequence[int], routed_at: float, now: float) -> None:
+        """`holder` is done computing the prompt of a request routed to it at `routed_at` (the prefill hop ended, or
+        the request did): learners that guess what it holds until its KV events say so stop guessing soon."""
+        for learner in self._learners:
+            computed = getattr(learner, "observe_computed", None)
+            if computed is not None:
+                computed(holder, block_hashes, routed_at, now)
+
     def forget_pod(self, pod: str) -> None:
         """A pod left the fleet (or restarted empty): drop what the router remembered about it."""
         for scorer in self._scorers.values():

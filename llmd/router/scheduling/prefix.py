@@ -188,6 +188,11 @@ class PrecisePrefixScorer(_PrefixScorer):
         for holder in routed_holders(decision):
             spec.insert(holder, req.block_hashes, now)
 
+    def observe_computed(self, holder: Holder, block_hashes: Sequence[int], routed_at: float, now: float) -> None:
+        """The holder computed the request: its speculative entries give way to its KV events (`settle`)."""
+        if self.speculative is not None:
+            self.speculative.settle(holder, block_hashes, routed_at, now)
+
     def forget_pod(self, pod: str) -> None:
         if self.speculative is not None:
             self.speculative.forget_pod(pod)

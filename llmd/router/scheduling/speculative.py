@@ -2,7 +2,12 @@
 
 The engine's BlockStored events arrive only after it has prefilled, so a burst of sub-agents forking one fresh prefix
 would otherwise scatter: every member looks cold. Routing inserts the request's block hashes for the chosen endpoint
-with a short TTL; the precise scorer treats them as GPU hits until they expire (real events take over by then).
+with a short TTL; the precise scorer treats them as GPU hits until they expire, or until the endpoint has computed the
+request (`settle`): its KV events are then on their way, and from a moment later (`settle_s`) the index alone says
+what the endpoint holds. Without that, an entry outlived the blocks it stood for: under KV pressure an engine evicts a
+prefix within a second of computing it, and the router, counting the entry over the index's eviction, sent the
+session's next turn back there to recompute it (llmd's cluster simulator showed it on the default demo: the prefill
+pool held 55% of main sessions' prompts where the router expected 90%).
 
 Pure: time is passed in. Bounded: at most `max_blocks` entries, oldest dropped first. Pruned lazily on insert.
 """
@@ -36,11 +41,15 @@ class SpeculativeIndex:
     looked at one by one.
     """
 
-    def __init__(self, ttl_s: float = 2.0, max_blocks: int = 1_000_000) -> None:
-        if ttl_s < 0 or max_blocks < 1:
-            raise ValueError("ttl_s must be >= 0 and max_blocks >= 1")
+    def __init__(self, ttl_s: float = 2.0, max_blocks: int = 1_000_000, settle_s: float = 0.1) -> None:
+        if ttl_s < 0 or max_blocks < 1 or settle_s < 0:
+            raise ValueError("ttl_s and settle_s must be >= 0 and max_blocks >= 1")
         self.ttl_s = ttl_s
+        self.settle_s = settle_s
         self.max_blocks = max_blocks
+        # Settled requests' entries, by their new expiry: one constant `settle_s` after a time that only grows, so
+        # this log is in expiry order too.
+        self._settled: deque[tuple[float, Holder, tuple[int, ...]]] = deque()
         self._by_holder: dict[Holder, dict[int, float]] = {}
         self._held = KVIndex(max_entries=_NO_CAP)  # which holder holds which block: the dicts' keys, as an index
         self._latest: dict[Holder, float] = {}  # newest expiry per holder: lets a drop clear a whole holder at once
@@ -69,11 +78,36 @@ class SpeculativeIndex:
         while self._logged > self.max_blocks and len(self._log) > 1:
             self._drop_oldest()
 
+    def settle(self, holder: Holder, block_hashes: Sequence[int], routed_at: float, now: float) -> None:
+        """`holder` has computed the request routed to it at `routed_at` (its prefill ended, or the request did): its
+        entries expire `settle_s` from now, in time for the KV events to arrive, unless a later insert (a request still
+        on its way there) refreshed them. Those refreshed are a prefix of the chain (chained hashes: whatever another
+        request shares with this one, it shares from the first block), so along a chain the expiry still never
+        increases."""
+        d = self._by_holder.get(holder)
+        if d is None or not block_hashes:
+            return
+        mine = routed_at + self.ttl_s  # the expiry this request's insert gave (the same float: same operands)
+        expiry = now + self.settle_s
+        if expiry >= mine:
+            return
+        get = d.get
+        hashes = tuple(h for h in block_hashes if get(h) == mine)
+        if hashes:
+            d.update(zip(hashes, repeat(expiry)))
+            self._settled.append((expiry, holder, hashes))
+
     def prune(self, now: float) -> None:
         """Forget every entry that expired at or before `now`."""
         log = self._log
         while log and log[0][0] <= now:
             self._drop_oldest()
+        settled = self._settled
+        while settled and settled[0][0] <= now:
+            expiry, holder, hashes = settled.popleft()
+            d = self._by_holder.get(holder)
+            if d is not None:
+                self._drop(d, holder, expiry, hashes)
 
     def _drop_oldest(self) -> None:
         expiry, holder, hashes = self._log.popleft()
@@ -86,7 +120,11 @@ class SpeculativeIndex:
             del self._by_holder[holder]
             del self._latest[holder]
             return
-        gone = list(compress(hashes, map(eq, repeat(expiry), map(d.get, hashes))))  # not refreshed by a later insert
+        self._drop(d, holder, expiry, hashes)
+
+    def _drop(self, d: dict[int, float], holder: Holder, expiry: float, hashes: tuple[int, ...]) -> None:
+        """Forget the entries among `hashes` whose expiry is still `expiry` (not refreshed by a later insert)."""
+        gone = list(compress(hashes, map(eq, repeat(expiry), map(d.get, hashes))))
         deque(map(d.pop, gone, repeat(None)), maxlen=0)
         self._held.remove(holder, gone)
 
@@ -115,10 +153,11 @@ class SpeculativeIndex:
         if not got.any():
             return got
         stale: set[Holder] = set()
-        for expiry, holder, _ in self._log:  # expired but not pruned yet: their holders' dicts say what is left
-            if expiry > now:
-                break
-            stale.add(holder)
+        for log in (self._log, self._settled):
+            for expiry, holder, _ in log:  # expired but not pruned yet: their holders' dicts say what is left
+                if expiry > now:
+                    break
+                stale.add(holder)
         if stale:
             ids = self._held.holder_ids(stale).tolist()
             for holder, hid in zip(stale, ids, strict=True):
