@@ -340,13 +340,15 @@ def test_a_computed_prefix_the_engine_evicted_stops_counting() -> None:
     sent the session's next turn back to recompute its prefix where it no longer was)."""
     s = Scheduler(spec(speculative_ttl_s=2.0), seed=0)
     prefix = blocks(50, 7)
-    first = burst(s, 1, prefix, now=0.0)[0]
+    turn = request(prefix, "turn")
+    first = s.schedule(turn, snap(FOUR), KVIndex(), now=0.0)
+    s.observe_routed(turn, first, 0.0)
     ix = KVIndex()
     ix.store(first.target.holder, prefix)  # computed: the engine said so...
     ix.remove(first.target.holder, prefix[10:])  # ...and evicted most of it again under KV pressure
     r = request([*prefix, 99], "next-turn")
     assert s.schedule(r, snap(FOUR), ix, now=0.5).gpu_hit_tokens == 50 * BS  # the entry still overrides the index
-    s.observe_computed(first.target.holder, prefix, routed_at=0.0, now=0.5)
+    s.observe_computed(first.target.holder, turn.block_hashes, routed_at=0.0, now=0.5)
     assert s.schedule(r, snap(FOUR), ix, now=0.55).gpu_hit_tokens == 50 * BS  # its events may still be on their way
     assert s.schedule(r, snap(FOUR), ix, now=0.7).gpu_hit_tokens == 10 * BS  # the index alone: what is really there
 

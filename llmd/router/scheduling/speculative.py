@@ -14,10 +14,11 @@ Pure: time is passed in. Bounded: at most `max_blocks` entries, oldest dropped f
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress, filterfalse, repeat
-from operator import eq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,14 @@ class SpeculativeIndex:
 
     Queries binary-search each holder's chain: a request's blocks are inserted together from its first block, and a
     later insert refreshes every block it shares (a shared block is always a prefix of the later chain), so along a
-    chain the expiry never increases and "held and unexpired" is prefix-closed.
+    chain the expiry never increases and "held and unexpired" is prefix-closed. Inserts get strictly increasing
+    expiries (a tick's share a `now`: one apart by an ulp), so the blocks an insert was the last to refresh are exactly
+    those holding its expiry: a contiguous run of each chain, found by binary search when the insert expires or
+    settles.
+
+    `settle` keeps that order: it lowers only the blocks the settled request brought itself, not the leading ones it
+    shares with requests sent there before it and not computed yet (theirs to settle), so no chain ever has an
+    earlier block expire before a later one.
 
     The same blocks are mirrored, per holder, in a KV index (`match_ids`): one walk of the request answers for every
     holder at once, where `match` looks holder by holder. Inserts come in time order (as `prune` assumes), so only
@@ -47,14 +55,17 @@ class SpeculativeIndex:
         self.ttl_s = ttl_s
         self.settle_s = settle_s
         self.max_blocks = max_blocks
-        # Settled requests' entries, by their new expiry: one constant `settle_s` after a time that only grows, so
-        # this log is in expiry order too.
-        self._settled: deque[tuple[float, Holder, tuple[int, ...]]] = deque()
         self._by_holder: dict[Holder, dict[int, float]] = {}
         self._held = KVIndex(max_entries=_NO_CAP)  # which holder holds which block: the dicts' keys, as an index
         self._latest: dict[Holder, float] = {}  # newest expiry per holder: lets a drop clear a whole holder at once
-        self._log: deque[tuple[float, Holder, tuple[int, ...]]] = deque()  # inserts, oldest first
+        self._log: deque[tuple[float, Holder, tuple[int, ...], _Key]] = deque()  # inserts, oldest first
         self._logged = 0  # blocks in `_log` (an upper bound on entries: refreshed blocks count twice)
+        self._last_expiry = -math.inf
+        # Each insert not settled yet: its expiry, and how many leading blocks it shares with earlier requests to the
+        # same holder that were not settled when it was inserted.
+        self._open: dict[_Key, tuple[float, int]] = {}
+        # Settled runs, by their new expiry: `settle_s` after a time that only grows, so in expiry order too.
+        self._settled: deque[tuple[float, Holder, tuple[int, ...]]] = deque()
 
     def __len__(self) -> int:
         return sum(map(len, self._by_holder.values()))
@@ -64,38 +75,49 @@ class SpeculativeIndex:
         if not block_hashes or self.ttl_s <= 0:
             return
         self.prune(now)
-        expiry = now + self.ttl_s
         hashes = tuple(block_hashes)  # a copy: callers may keep growing their per-session list
+        expiry = now + self.ttl_s
+        if expiry <= self._last_expiry:  # strictly later than every earlier insert (a tick's inserts share a `now`)
+            expiry = math.nextafter(self._last_expiry, math.inf)
+        self._last_expiry = expiry
         d = self._by_holder.get(holder)
         if d is None:
             d = self._by_holder[holder] = {}
-        # The mirror needs only the blocks new to this holder (a session's next turn is mostly its last one's).
-        self._held.store(holder, list(filterfalse(d.__contains__, hashes)))
+        get = d.get
+        # Blocks held are a prefix of the chain (prefix-closed), unsettled ones a prefix of those (expiries never
+        # increase along a chain; a settled block expires within settle_s).
+        shared = _leading(get, hashes, now + self.settle_s)
+        held = _leading(get, hashes, -math.inf, shared)
+        if held < len(hashes):
+            self._held.store(holder, list(hashes[held:]))  # the mirror needs only the blocks new to this holder
         d.update(zip(hashes, repeat(expiry)))
-        self._latest[holder] = max(expiry, self._latest.get(holder, expiry))
-        self._log.append((expiry, holder, hashes))
+        self._latest[holder] = expiry
+        key = (holder, now, len(hashes), hashes[-1])
+        self._open[key] = (expiry, shared)
+        self._log.append((expiry, holder, hashes, key))
         self._logged += len(hashes)
         while self._logged > self.max_blocks and len(self._log) > 1:
             self._drop_oldest()
 
     def settle(self, holder: Holder, block_hashes: Sequence[int], routed_at: float, now: float) -> None:
-        """`holder` has computed the request routed to it at `routed_at` (its prefill ended, or the request did): its
-        entries expire `settle_s` from now, in time for the KV events to arrive, unless a later insert (a request still
-        on its way there) refreshed them. Those refreshed are a prefix of the chain (chained hashes: whatever another
-        request shares with this one, it shares from the first block), so along a chain the expiry still never
-        increases."""
-        d = self._by_holder.get(holder)
-        if d is None or not block_hashes:
+        """`holder` has computed the request routed to it at `routed_at` (its prefill ended, or the request did): the
+        blocks it brought there expire `settle_s` from now, in time for the KV events to arrive, unless a later insert
+        (a request still on its way there) refreshed them. Blocks it shares with requests sent there before it and
+        not computed yet stay as they are."""
+        if not block_hashes:
             return
-        mine = routed_at + self.ttl_s  # the expiry this request's insert gave (the same float: same operands)
+        opened = self._open.pop((holder, routed_at, len(block_hashes), block_hashes[-1]), None)
+        d = self._by_holder.get(holder)
+        if opened is None or d is None:
+            return  # not inserted (no TTL), or dropped already
+        mine, shared = opened
         expiry = now + self.settle_s
         if expiry >= mine:
             return
-        get = d.get
-        hashes = tuple(h for h in block_hashes if get(h) == mine)
-        if hashes:
-            d.update(zip(hashes, repeat(expiry)))
-            self._settled.append((expiry, holder, hashes))
+        run = _run(d.get, tuple(block_hashes), mine, shared)
+        if run:
+            d.update(zip(run, repeat(expiry)))
+            self._settled.append((expiry, holder, run))
 
     def prune(self, now: float) -> None:
         """Forget every entry that expired at or before `now`."""
@@ -110,8 +132,9 @@ class SpeculativeIndex:
                 self._drop(d, holder, expiry, hashes)
 
     def _drop_oldest(self) -> None:
-        expiry, holder, hashes = self._log.popleft()
+        expiry, holder, hashes, key = self._log.popleft()
         self._logged -= len(hashes)
+        self._open.pop(key, None)
         d = self._by_holder.get(holder)
         if d is None:
             return
@@ -123,10 +146,11 @@ class SpeculativeIndex:
         self._drop(d, holder, expiry, hashes)
 
     def _drop(self, d: dict[int, float], holder: Holder, expiry: float, hashes: tuple[int, ...]) -> None:
-        """Forget the entries among `hashes` whose expiry is still `expiry` (not refreshed by a later insert)."""
-        gone = list(compress(hashes, map(eq, repeat(expiry), map(d.get, hashes))))
-        deque(map(d.pop, gone, repeat(None)), maxlen=0)
-        self._held.remove(holder, gone)
+        """Forget the entries of `hashes` that still hold `expiry` (not refreshed by a later insert)."""
+        gone = _run(d.get, hashes, expiry)
+        if gone:
+            deque(map(d.pop, gone, repeat(None)), maxlen=0)
+            self._held.remove(holder, list(gone))
 
     def match(
         self, block_hashes: Sequence[int], now: float, floor: Mapping[Holder, int] | None = None
@@ -153,11 +177,12 @@ class SpeculativeIndex:
         if not got.any():
             return got
         stale: set[Holder] = set()
-        for log in (self._log, self._settled):
-            for expiry, holder, _ in log:  # expired but not pruned yet: their holders' dicts say what is left
-                if expiry > now:
+        logs: tuple[Iterable[tuple[Any, ...]], ...] = (self._log, self._settled)
+        for log in logs:
+            for entry in log:  # expired but not pruned yet: their holders' dicts say what is left
+                if entry[0] > now:
                     break
-                stale.add(holder)
+                stale.add(entry[1])
         if stale:
             ids = self._held.holder_ids(stale).tolist()
             for holder, hid in zip(stale, ids, strict=True):
@@ -174,10 +199,34 @@ class SpeculativeIndex:
         return self._held.holder_ids(holders)
 
     def forget_pod(self, pod: str) -> None:
+        # `_latest` stays: the pod's next inserts must still expire after its old ones still in the log.
         for holder in [h for h in self._by_holder if h[0] == pod]:
             del self._by_holder[holder]
-            del self._latest[holder]
         self._held.drop_pod(pod)
+
+
+_Key = tuple[Holder, float, int, int]  # an insert: holder, time, chain length, last block
+
+
+def _leading(get: Callable[[int], float | None], hashes: Sequence[int], above: float, lo: int = 0) -> int:
+    """The end of the blocks of the chain `hashes` from `lo` on that expire after `above` (a missing one never does).
+    Expiries never increase along a chain, so one binary search answers."""
+    hi = len(hashes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = get(hashes[mid])
+        if e is not None and e > above:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _run(get: Callable[[int], float | None], hashes: tuple[int, ...], expiry: float, start: int = 0) -> tuple[int, ...]:
+    """The blocks of the chain `hashes` (from `start` on) whose expiry is `expiry`: a contiguous run (expiries never
+    increase along a chain), after those a later insert refreshed and before those settled or gone."""
+    lo = _leading(get, hashes, expiry, start)
+    return hashes[lo : _leading(get, hashes, math.nextafter(expiry, -math.inf), lo)]
 
 
 def _held_prefix(d: dict[int, float], block_hashes: Sequence[int], lo: int, now: float) -> int:
