@@ -206,6 +206,7 @@ class Simulation:
 
     def _abort_inflight(self) -> None:
         """Requests still running at the end are cut, as the live client's are at its stop: rows marked aborted."""
+        self.fleet.flush()  # their tokens streamed by now
         for call in list(self.inflight):
             call.status = 0
             call.error = ABORTED

@@ -14,6 +14,7 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ class DecodeRun:
     __slots__ = (
         "_done",
         "_draws",
+        "_event_list",
         "_event_steps",
         "_events",
         "_gained",
@@ -67,6 +69,7 @@ class DecodeRun:
         self.gained = gained
         self._events = events  # (step, request index) where allocate_slots has blocks to add or cache, in step order
         self._event_steps = {st for st, _ in events}
+        self._event_list = sorted(self._event_steps)
         self._next_event = 0
         # The same as lists: read a number at a time per step, where numpy's scalars cost more than they save.
         self._gained: list[list[int]] = gained.tolist()
@@ -151,6 +154,17 @@ class DecodeRun:
     def has_events(self, s: int) -> bool:
         """Whether step s allocates or caches blocks (so has KV events, or CPU-tier writes, to send at its end)."""
         return s in self._event_steps
+
+    def next_event_step(self, s: int) -> int:
+        """The first step from s on that has KV events (`len(self)` if none does)."""
+        steps = self._event_list
+        k = bisect_left(steps, s)
+        return steps[k] if k < len(steps) else len(self.durations)
+
+    def gained_between(self, i: int, a: int, b: int) -> int:
+        """Tokens request i gains in steps a..b-1."""
+        g = self._gained
+        return g[b - 1][i] - (g[a - 1][i] if a else 0)
 
 
 def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
