@@ -179,16 +179,17 @@ class SimRank:
         self._run_next = s
         self.loop.at(self._run_ends[s], self._run_step_end, run, s)
 
-    def sync(self) -> None:
-        """The core as single steps would have left it by now: the run's step under way is carried out."""
+    def sync(self, complete: bool = True) -> None:
+        """The core as single steps would have left it by now: the run's step under way is carried out.
+        `complete=False` for a reader of the prefix cache, leases or gauges only: the KV work (DecodeRun.apply)."""
         run = self._run
         if run is None:
             return
         # Step s > 0 begins when step s - 1 ends; one that would begin exactly now comes after whatever else happens
         # now, as the _step event single steps schedule then.
         begun = min(1 + bisect_left(self._run_ends, self.loop.now), run.cut)
-        if begun > run.applied:
-            self._advance(run, begun)
+        if begun > run.applied or complete:
+            self._advance(run, begun, complete)
 
     def interrupt(self) -> None:
         """Something from outside is about to change the core: the run ends with the step under way (or now)."""
@@ -211,10 +212,11 @@ class SimRank:
             return  # the run ended early, or this event was replaced by an earlier one
         last = s + 1 >= run.cut
         quiet = self._run_quiet
-        if run.applied <= s and (last or quiet or not run.scripted or run.has_events(s)):
+        if last or (run.applied <= s and (quiet or not run.scripted or run.has_events(s))):
             # Steps without KV work change nothing anyone sees before the next one that has some, a read of the core
-            # (sync) or the run's end: they are carried out then, several at once.
-            self._advance(run, s + 1)
+            # (sync) or the run's end: they are carried out then, several at once; a quiet run's requests' tokens
+            # too, but for those whose blocks need them. At the end every request is brought up to date.
+            self._advance(run, s + 1, complete=last or not quiet)
         if quiet:
             self._run_outputs(run, s + 1)
         else:
@@ -246,9 +248,9 @@ class SimRank:
             if record is not None and r.status == _RUNNING:
                 record(times, run.gained_between(i, a, b))
 
-    def _advance(self, run: DecodeRun, steps: int) -> None:
+    def _advance(self, run: DecodeRun, steps: int, complete: bool = True) -> None:
         before = run.applied
-        self._run_events += self.core.advance(run, steps)
+        self._run_events += self.core.advance(run, steps, complete)
         self.steps += run.applied - before
 
     def _end_run(self) -> None:
@@ -289,7 +291,7 @@ class SimRank:
 
     def scrape(self) -> None:
         """What the router's /metrics poll reads: the rank's gauges now."""
-        self.sync()
+        self.sync(complete=False)
         s = self.core.scheduler
         st = self.pod.ranks[self.rank]
         st.running = len(s.running)
@@ -356,7 +358,7 @@ class Fleet:
         src = self.by_engine_id.get(task.remote_engine_id or "")
         ok, tokens, lease = False, 0, task.remote_request_id is not None
         if src is not None and src.pod.healthy:
-            src.sync()  # its prefix cache and leases as of now
+            src.sync(complete=False)  # its prefix cache and leases as of now
             if lease:
                 r = src.core.leases.get(task.remote_request_id or "")
                 expired = (

@@ -35,6 +35,7 @@ class DecodeRun:
     tokens request i has gained by the end of step s. `applied` steps have been carried out, `cut` will be."""
 
     __slots__ = (
+        "_behind",
         "_done",
         "_draws",
         "_event_list",
@@ -83,17 +84,24 @@ class DecodeRun:
             for i, (r, o) in enumerate(zip(requests, self.out0, strict=True))
         )
         self._done = [0] * len(requests)  # steps carried out per request
+        self._behind = False  # some request's tokens lag the steps carried out (apply with complete=False)
         self.applied = 0
         self.cut = len(durations)
 
     def __len__(self) -> int:
         return len(self.durations)
 
-    def apply(self, core: EngineCore, steps: int) -> None:
-        """Carries out steps up to `steps` (of at most `cut`): what `EngineCore.step` does in them, in its order."""
+    def apply(self, core: EngineCore, steps: int, complete: bool = True) -> None:
+        """Carries out steps up to `steps` (of at most `cut`): what `EngineCore.step` does in them, in its order.
+
+        `complete=False` carries out only the KV work (blocks allocated and cached, their events, CPU-tier writes) and
+        the MTP draws: a request's tokens then catch up at its own next KV work, or at a later complete apply. What
+        only reads the prefix cache, leases or block counts (a scrape, a P2P lookup) needs no more."""
         j = min(steps, self.cut)
         a = self.applied
         if j <= a:
+            if complete and self._behind:
+                self._complete(core)
             return
         kv = core.kv
         events = self._events
@@ -113,14 +121,23 @@ class DecodeRun:
             if kv._cpu_jobs:
                 kv.flush_cpu_stores()
             self._next_event = p
-        for i in range(len(self.requests)):
-            self._catch_up(core, i, j)
         draws = self._draws
         if draws is not None:
             rng = core._mtp_rng
             assert isinstance(rng, UniformStream)
             rng.skip(draws[j - 1] - (draws[a - 1] if a else 0))
         self.applied = j
+        if complete:
+            self._complete(core)
+        else:
+            self._behind = True
+
+    def _complete(self, core: EngineCore) -> None:
+        """Every request's tokens up to the steps carried out."""
+        j = self.applied
+        for i in range(len(self.requests)):
+            self._catch_up(core, i, j)
+        self._behind = False
 
     def _catch_up(self, core: EngineCore, i: int, s: int) -> None:
         """Request i's tokens up to the start of step s (sampled, appended, their full blocks hashed)."""
