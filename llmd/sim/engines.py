@@ -32,8 +32,8 @@ _RUNNING = RequestStatus.RUNNING
 
 OutputSink = Callable[[RequestOutput, float], None]
 # A sink's other half, for outputs inside a decode run that it would only record (a streamed token nobody reacts to):
-# (the end times of the steps, the tokens they gained in all). Called after those ends, at the run's next event or
-# when something outside touches the rank, so a run needs no event per step; never for a request's first output.
+# (the end times of the steps, the tokens they gained in all). Called after those ends, at the run's end or when
+# something outside touches the rank, so a run needs no event per step; never for a request's first output.
 StreamRecord = Callable[[list[float], int], None]
 
 # Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run ends at the next arrival,
@@ -159,8 +159,8 @@ class SimRank:
     # released lease) first carries out the step under way, whose state single steps set up when it began; a change
     # also ends the run with that step. Step ends are summed in the order single steps add them: the same times.
     # A quiet run (every request's sink only records its outputs) has events only at steps with KV events and at its
-    # last: the outputs of the steps between go out together, with their times, at the next event or the next touch
-    # from outside, before anything could read what they record.
+    # last; its outputs go out together, with their times, at its end or when something outside touches the rank
+    # (an abort among them), before anything could read what they record.
     def _start_run(self, run: DecodeRun) -> None:
         self._run = run
         self.runs += 1
@@ -218,7 +218,8 @@ class SimRank:
             # too, but for those whose blocks need them. At the end every request is brought up to date.
             self._advance(run, s + 1, complete=last or not quiet)
         if quiet:
-            self._run_outputs(run, s + 1)
+            if last:
+                self._run_outputs(run, s + 1)
         else:
             self._run_done = s + 1
             t = self.loop.now
