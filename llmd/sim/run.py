@@ -98,6 +98,7 @@ class Simulation:
             BlockHasher(m.block_size, m.hash_algo, m.hash_seed),
             round(tuning.chunk_chars / tuning.chars_per_token),
             vocab,
+            chunks=self.router.uses_text,
         )
         w = spec.workload
         self.trace = None
