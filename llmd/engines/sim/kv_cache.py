@@ -191,14 +191,17 @@ class KVCacheManager:
         if n_new > 0 or num_hit:
             ref_cnt = self.ref_cnt
             # A hit block sitting in the free queue leaves it when touched: it counts against the free blocks.
-            n_evictable = sum(1 for b in new_computed_blocks if ref_cnt[b] == 0)
+            counts = list(map(ref_cnt.__getitem__, new_computed_blocks)) if num_hit else []
+            n_evictable = counts.count(0)
             if max(n_new, 0) + n_evictable + reserved_blocks > len(self.free_queue):
                 return False
             if num_hit:
-                free = self.free_queue
+                if n_evictable:
+                    free = self.free_queue
+                    for b, c in zip(new_computed_blocks, counts, strict=True):
+                        if c == 0:
+                            del free[b]
                 for b in new_computed_blocks:
-                    if ref_cnt[b] == 0:
-                        del free[b]
                     ref_cnt[b] += 1
                 req.block_ids.extend(new_computed_blocks)
                 req.num_cached_blocks = len(req.block_ids)
