@@ -46,6 +46,12 @@ def test_context_hashes_are_the_engines_block_hashes() -> None:
     cut = b.prefix(ctx, 50)
     assert list(cut.hashes) == hasher.hash_tokens(list(runs)[:50]) and len(cut) == 50
     assert len(ctx.chunks) == len(ctx) // 64
+    # Without chunks (no router reads them), the same block hashes.
+    bare = ContextBuilder(hasher, chunk_tokens=64, vocab=32_000, chunks=False)
+    other = bare.empty
+    for seed, n in ((1, 40), (2, 7), (3, 100), (4, 1)):
+        other = bare.extend(other, TokenRuns(vocab=32_000).extend(seed, n))
+    assert other.hashes == ctx.hashes and other.h64 == ctx.h64 and other.chunks == ()
 
 
 def test_event_loop_runs_in_time_order_and_ties_in_scheduling_order() -> None:

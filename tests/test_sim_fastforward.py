@@ -21,6 +21,7 @@ from llmd.engines.sim import EngineCore, SimEngineConfig, SimRequest
 from llmd.engines.sim.uniforms import UniformStream, parse_accepted
 from llmd.perf import MODELS, LatencyModel, get_gpu
 from llmd.perf.latency import Parallelism
+from llmd.sim.params import SimParams
 from llmd.sim.run import Simulation
 
 LAT = LatencyModel(get_gpu("H100-80GB"), MODELS["glm-5.2"], Parallelism(dp=8, ep=True), mtp_draft_tokens=3)
@@ -204,14 +205,25 @@ def test_a_run_stops_before_anything_that_changes_the_batch() -> None:
     assert core.plan_decode(now) is None  # an arrival waits: the next step admits it
 
 
-def test_the_cluster_simulator_gives_the_same_run_with_and_without_fast_forward() -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        SimParams(),
+        # Scrapes inside most runs: ranks carry out a run's KV work early and its requests' tokens later.
+        SimParams(scrape_interval_s=0.007),
+        # Every streamed token relayed through the router (a run's outputs step by step, not recorded in bulk).
+        SimParams(stream_cpu_s=1e-5),
+    ],
+    ids=["quiet", "scraped", "streamed"],
+)
+def test_the_cluster_simulator_gives_the_same_run_with_and_without_fast_forward(params: SimParams) -> None:
     """Ranks carry out a run's steps when an arrival, a pull or a scrape touches them: every request sees the same
     engine, the same times and the same routing as with single steps."""
     spec = embedded_spec(8.0)
     spec = spec.model_copy(update={"mtp": spec.mtp.model_copy(update={"draft_tokens": 3})})
     calls = {}
     for ff in (True, False):
-        sim = Simulation(spec, run_id="ff")
+        sim = Simulation(spec, run_id="ff", params=params)
         sim.fleet.fast_forward = ff
         sim.run()
         assert (sum(r.runs for r in sim.fleet.ranks) > 0) == ff

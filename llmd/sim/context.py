@@ -27,13 +27,15 @@ class Context:
 
 class ContextBuilder:
     """Makes and extends contexts for one engine hasher and the approximate policy's chunk size (in tokens: the
-    simulator's prompt text is `chars_per_token` characters a token, so a chunk of text is a fixed run of tokens)."""
+    simulator's prompt text is `chars_per_token` characters a token, so a chunk of text is a fixed run of tokens).
+    `chunks=False` when no router reads them (the precise policy): contexts then carry none."""
 
-    def __init__(self, hasher: BlockHasher, chunk_tokens: int, vocab: int) -> None:
+    def __init__(self, hasher: BlockHasher, chunk_tokens: int, vocab: int, chunks: bool = True) -> None:
         self.hasher = hasher
         self.bs = hasher.block_size
         self.chunk_tokens = max(1, chunk_tokens)
         self.vocab = vocab
+        self.chunks = chunks
         self.empty = Context(TokenRuns((), vocab), (), (), ())
         self.blocks_hashed = 0
 
@@ -50,28 +52,32 @@ class ContextBuilder:
         return Context(ctx.tokens.prefix(n), ctx.hashes[: n // bs], ctx.h64[: n // bs], ctx.chunks[: n // ct])
 
     def _complete(self, ctx: Context, tokens: TokenRuns) -> Context:
-        bs, n = self.bs, len(tokens)
-        hashes, h64 = list(ctx.hashes), list(ctx.h64)
-        done = len(hashes)
-        full = n // bs
+        bs, ct, n = self.bs, self.chunk_tokens, len(tokens)
+        done, full = len(ctx.hashes), n // bs
+        cstart, cfull = len(ctx.chunks), n // ct if self.chunks else 0
+        # The new tokens both kinds of hash read, computed once.
+        lo = min(done * bs if full > done else n, cstart * ct if cfull > cstart else n)
+        toks = tokens.tokens(lo, max(full * bs, cfull * ct))
+        hashes, h64 = ctx.hashes, ctx.h64
         if full > done:
-            toks = tokens.tokens(done * bs, full * bs)
+            hs, h64s = list(hashes), list(h64)
             hash_block = self.hasher.hash_block
-            parent = hashes[-1] if hashes else None
+            parent = hs[-1] if hs else None
+            off = done * bs - lo
             for i in range(full - done):
-                parent = hash_block(parent, toks[i * bs : (i + 1) * bs])
-                hashes.append(parent)
-                h64.append(hash64(parent))
+                parent = hash_block(parent, toks[off + i * bs : off + (i + 1) * bs])
+                hs.append(parent)
+                h64s.append(hash64(parent))
             self.blocks_hashed += full - done
-        chunks = list(ctx.chunks)
-        ct = self.chunk_tokens
-        cfull = n // ct
-        if cfull > len(chunks):
-            start = len(chunks)
-            toks = tokens.tokens(start * ct, cfull * ct)
-            h = chunks[-1] if chunks else 0
-            for i in range(cfull - start):
+            hashes, h64 = tuple(hs), tuple(h64s)
+        chunks = ctx.chunks
+        if cfull > cstart:
+            cs = list(chunks)
+            h = cs[-1] if cs else 0
+            off = cstart * ct - lo
+            for i in range(cfull - cstart):
                 # Python's hash of a tuple of ints is not salted per process: chunk hashes are reproducible.
-                h = hash((h, tuple(toks[i * ct : (i + 1) * ct])))
-                chunks.append(h)
-        return Context(tokens, tuple(hashes), tuple(h64), tuple(chunks))
+                h = hash((h, tuple(toks[off + i * ct : off + (i + 1) * ct])))
+                cs.append(h)
+            chunks = tuple(cs)
+        return Context(tokens, hashes, h64, chunks)

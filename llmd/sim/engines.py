@@ -9,7 +9,7 @@ side channel) happens here as events on the loop.
 from __future__ import annotations
 
 import zlib
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +20,7 @@ from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.engines.sim.core import EngineCore, PullTask, RequestOutput, StepResult
 from llmd.engines.sim.decode_run import DecodeRun
-from llmd.engines.sim.request import SimRequest
+from llmd.engines.sim.request import RequestStatus, SimRequest
 from llmd.engines.sim.server_config import SimServerConfig
 from llmd.perf.latency import LatencyModel
 from llmd.router.pods import Pod
@@ -28,7 +28,13 @@ from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
 from llmd.spec.layout import engine_endpoints
 
+_RUNNING = RequestStatus.RUNNING
+
 OutputSink = Callable[[RequestOutput, float], None]
+# A sink's other half, for outputs inside a decode run that it would only record (a streamed token nobody reacts to):
+# (the end times of the steps, the tokens they gained in all). Called after those ends, at the run's end or when
+# something outside touches the rank, so a run needs no event per step; never for a request's first output.
+StreamRecord = Callable[[list[float], int], None]
 
 # Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run ends at the next arrival,
 # pull or release anyway, and the steps planned past that are work thrown away.
@@ -59,13 +65,16 @@ class SimRank:
         self.holder = (pod.name, rank)
         self.engine_id = core.config.engine_id
         self.sinks: dict[str, OutputSink] = {}
+        self.records: dict[str, StreamRecord] = {}
         self.busy = False
         self.steps = 0
         self.runs = 0  # decode fast-forward runs (their steps count in `steps`)
         self._expiry_armed: float | None = None
         self._run: DecodeRun | None = None
         self._run_ends: list[float] = []  # loop time each step of the run ends
-        self._run_done = 0
+        self._run_done = 0  # steps whose outputs have gone out
+        self._run_next = 0  # the step whose end is the run's next event
+        self._run_quiet = False  # every request of the run has a StreamRecord: events only where steps have KV work
         self._run_events: list = []  # KV events of the step under way, carried out early by a sync
         st = pod.ranks[rank]
         st.kv_capacity_blocks = core.config.num_gpu_blocks
@@ -80,17 +89,21 @@ class SimRank:
         """The core's clock: model seconds (the loop's seconds are wall seconds of the run being predicted)."""
         return self.loop.now / self.fleet.time_scale
 
-    def submit(self, req: SimRequest, sink: OutputSink) -> None:
-        """The request reaches the engine now (ValueError from the core: the engine refuses it, as with a 400)."""
+    def submit(self, req: SimRequest, sink: OutputSink, record: StreamRecord | None = None) -> None:
+        """The request reaches the engine now (ValueError from the core: the engine refuses it, as with a 400).
+        `record`: what `sink` does with an output inside a decode run, when all it does is record it."""
         self.interrupt()
         req.arrival_time = self.model_time()
         self.core.add_request(req)
         self.sinks[req.request_id] = sink
+        if record is not None:
+            self.records[req.request_id] = record
         self.kick()
 
     def abort(self, request_id: str) -> None:
         self.interrupt()
         self.sinks.pop(request_id, None)
+        self.records.pop(request_id, None)
         if self.core.abort_request(request_id):
             self.kick()
 
@@ -127,7 +140,11 @@ class SimRank:
     def _deliver(self, result: StepResult, end: float) -> None:
         sinks = self.sinks
         for out in result.outputs:
-            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if out.finished:
+                sink = sinks.pop(out.request_id, None)
+                self.records.pop(out.request_id, None)
+            else:
+                sink = sinks.get(out.request_id)
             if sink is not None:
                 sink(out, end)
         if result.events:
@@ -141,25 +158,38 @@ class SimRank:
     # outside that reads the core during a step (a scrape, a P2P lookup) or changes it (an arrival, a finished pull, a
     # released lease) first carries out the step under way, whose state single steps set up when it began; a change
     # also ends the run with that step. Step ends are summed in the order single steps add them: the same times.
+    # A quiet run (every request's sink only records its outputs) has events only at steps with KV events and at its
+    # last; its outputs go out together, with their times, at its end or when something outside touches the rank
+    # (an abort among them), before anything could read what they record.
     def _start_run(self, run: DecodeRun) -> None:
         self._run = run
         self.runs += 1
         scale = self.fleet.time_scale
         d = run.durations * scale if scale != 1.0 else run.durations
         self._run_ends = np.cumsum(np.concatenate(((self.loop.now,), d)))[1:].tolist()
-        self._run_done = 0  # steps whose outputs and events have gone out
-        self.loop.at(self._run_ends[0], self._run_step_end, run)
+        self._run_done = 0
+        records = self.records
+        self._run_quiet = all(r.request_id in records for r in run.requests)
+        self._schedule_run_step(run, 0)
 
-    def sync(self) -> None:
-        """The core as single steps would have left it by now: the run's step under way is carried out."""
+    def _schedule_run_step(self, run: DecodeRun, s: int) -> None:
+        """The run's next event: the end of step s, or of the first step from s on that must have one."""
+        if self._run_quiet:
+            s = min(run.next_event_step(s), run.cut - 1)
+        self._run_next = s
+        self.loop.at(self._run_ends[s], self._run_step_end, run, s)
+
+    def sync(self, complete: bool = True) -> None:
+        """The core as single steps would have left it by now: the run's step under way is carried out.
+        `complete=False` for a reader of the prefix cache, leases or gauges only: the KV work (DecodeRun.apply)."""
         run = self._run
         if run is None:
             return
         # Step s > 0 begins when step s - 1 ends; one that would begin exactly now comes after whatever else happens
         # now, as the _step event single steps schedule then.
         begun = min(1 + bisect_left(self._run_ends, self.loop.now), run.cut)
-        if begun > run.applied:
-            self._advance(run, begun)
+        if begun > run.applied or complete:
+            self._advance(run, begun, complete)
 
     def interrupt(self) -> None:
         """Something from outside is about to change the core: the run ends with the step under way (or now)."""
@@ -167,38 +197,61 @@ class SimRank:
         if run is None:
             return
         self.sync()
+        if self._run_quiet:
+            # Steps that ended before now have gone out, as their events would have before this one.
+            self._run_outputs(run, min(bisect_left(self._run_ends, self.loop.now), run.cut))
         if run.applied == self._run_done:
             self._end_run()
         else:
             run.cut = run.applied
+            if self._run_next >= run.cut:
+                self._schedule_run_step(run, run.cut - 1)  # the event already scheduled comes too late: dropped
 
-    def _run_step_end(self, run: DecodeRun) -> None:
-        if run is not self._run:
-            return  # the run ended early
-        s = self._run_done
+    def _run_step_end(self, run: DecodeRun, s: int) -> None:
+        if run is not self._run or s != self._run_next:
+            return  # the run ended early, or this event was replaced by an earlier one
         last = s + 1 >= run.cut
-        if run.applied <= s and (last or not run.scripted or run.has_events(s)):
+        quiet = self._run_quiet
+        if last or (run.applied <= s and (quiet or not run.scripted or run.has_events(s))):
             # Steps without KV work change nothing anyone sees before the next one that has some, a read of the core
-            # (sync) or the run's end: they are carried out then, several at once.
-            self._advance(run, s + 1)
-        self._run_done = s + 1
-        t = self.loop.now
-        sinks = self.sinks
-        for out in self.core.decode_outputs(run, s, s + 1):
-            sink = sinks.get(out.request_id)
-            if sink is not None:
-                sink(out, t)
+            # (sync) or the run's end: they are carried out then, several at once; a quiet run's requests' tokens
+            # too, but for those whose blocks need them. At the end every request is brought up to date.
+            self._advance(run, s + 1, complete=last or not quiet)
+        if quiet:
+            if last:
+                self._run_outputs(run, s + 1)
+        else:
+            self._run_done = s + 1
+            t = self.loop.now
+            sinks = self.sinks
+            for out in self.core.decode_outputs(run, s, s + 1):
+                sink = sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out, t)
         if self._run_events:
             self.fleet.publish(self, self._run_events)
             self._run_events = []
         if last:
             self._end_run()
         else:
-            self.loop.at(self._run_ends[s + 1], self._run_step_end, run)
+            self._schedule_run_step(run, s + 1)
 
-    def _advance(self, run: DecodeRun, steps: int) -> None:
+    def _run_outputs(self, run: DecodeRun, b: int) -> None:
+        """A quiet run's outputs of the steps up to b that have not gone out: to each request's StreamRecord."""
+        a = self._run_done
+        if b <= a:
+            return
+        self._run_done = b
+        times = self._run_ends[a:b]
+        records = self.records
+        for i, r in enumerate(run.requests):
+            record = records.get(r.request_id)
+            if record is not None and r.status == _RUNNING:
+                record(times, run.gained_between(i, a, b))
+
+    def _advance(self, run: DecodeRun, steps: int, complete: bool = True) -> None:
         before = run.applied
-        self._run_events += self.core.advance(run, steps)
+        self._run_events += self.core.advance(run, steps, complete)
         self.steps += run.applied - before
 
     def _end_run(self) -> None:
@@ -209,6 +262,12 @@ class SimRank:
         self.kick()
         if not self.busy:
             self._arm_expiry()
+
+    def flush(self) -> None:
+        """A quiet run's outputs of every step that has ended by now (the loop has run every event up to now)."""
+        run = self._run
+        if run is not None and self._run_quiet:
+            self._run_outputs(run, min(bisect_right(self._run_ends, self.loop.now), run.cut))
 
     def _arm_expiry(self) -> None:
         """An idle rank still frees leases nobody pulled when they run out (vLLM's kv_lease_duration)."""
@@ -233,7 +292,7 @@ class SimRank:
 
     def scrape(self) -> None:
         """What the router's /metrics poll reads: the rank's gauges now."""
-        self.sync()
+        self.sync(complete=False)
         s = self.core.scheduler
         st = self.pod.ranks[self.rank]
         st.running = len(s.running)
@@ -300,7 +359,7 @@ class Fleet:
         src = self.by_engine_id.get(task.remote_engine_id or "")
         ok, tokens, lease = False, 0, task.remote_request_id is not None
         if src is not None and src.pod.healthy:
-            src.sync()  # its prefix cache and leases as of now
+            src.sync(complete=False)  # its prefix cache and leases as of now
             if lease:
                 r = src.core.leases.get(task.remote_request_id or "")
                 expired = (
@@ -347,6 +406,11 @@ class Fleet:
     def scrape(self) -> None:
         for r in self.ranks:
             r.scrape()
+
+    def flush(self) -> None:
+        """Every quiet run's outputs of the steps ended by now: before reading calls still in flight."""
+        for r in self.ranks:
+            r.flush()
 
     def sync(self) -> None:
         """Every core as single steps would have left it by now: a rank in a decode run carries out the steps begun.

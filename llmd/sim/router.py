@@ -18,7 +18,7 @@ from llmd.router.core import HopPlan, Job, QueueFull, RouterCore
 from llmd.router.pd import PREFILL_KV_PARAMS
 from llmd.router.scheduling import NoEndpointError, RouteRequest, Scheduler, Tuning
 from llmd.sim.context import Context
-from llmd.sim.engines import Fleet, SimRank
+from llmd.sim.engines import Fleet, SimRank, StreamRecord
 from llmd.sim.host import Host
 from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
@@ -207,16 +207,18 @@ class SimRouter:
             prompt_block_hashes=list(call.ctx.hashes),
         )
 
-    def _to_engine(self, rank: SimRank, req: SimRequest, job: Job, sink: Sink) -> None:
+    def _to_engine(
+        self, rank: SimRank, req: SimRequest, job: Job, sink: Sink, record: StreamRecord | None = None
+    ) -> None:
         """One hop to the engine's API server, which parses and tokenizes the prompt before the core has it."""
         p = self.params
         host = self.engine_hosts[rank.pod.name]
         cost = p.engine_cpu_s + p.engine_cpu_per_token_s * len(req.prompt_token_ids)
-        self.loop.after(p.hop_s, host.run, cost, self._submit, rank, req, job, sink)
+        self.loop.after(p.hop_s, host.run, cost, self._submit, rank, req, job, sink, record)
 
-    def _submit(self, rank: SimRank, req: SimRequest, job: Job, sink: Sink) -> None:
+    def _submit(self, rank: SimRank, req: SimRequest, job: Job, sink: Sink, record: StreamRecord | None = None) -> None:
         try:
-            rank.submit(req, sink)
+            rank.submit(req, sink, record)
         except ValueError as e:  # the engine refuses the request (vLLM answers 400): no retry helps
             flight = job.flight
             assert flight is not None
@@ -255,7 +257,8 @@ class SimRouter:
         assert flight is not None
         rank = self.fleet.by_holder[(flight.target.name, flight.rank)]
         req = self._engine_request(job, f"{call.request_id}/{job.attempts}", call.max_tokens, kv)
-        self._to_engine(rank, req, job, lambda out, t: self._decode_out(job, out, t))
+        record = None if self._stream else lambda times, n: _record_run(job.handle, times, n, self.params.hop_s)
+        self._to_engine(rank, req, job, lambda out, t: self._decode_out(job, out, t), record)
 
     def _decode_out(self, job: Job, out: RequestOutput, t: float) -> None:
         if out.finished or self._stream:
@@ -310,3 +313,9 @@ def _record_tokens(call: Call, out: RequestOutput, at: float) -> None:
             call.cached_tokens = out.num_cached_tokens
         call.token_times.append(at)
         call.output_tokens += len(out.new_token_ids)
+
+
+def _record_run(call: Call, times: list[float], tokens: int, hop_s: float) -> None:
+    """Outputs inside a decode run, after the first: what _record_tokens does for each, their step ends + a hop."""
+    call.token_times += [t + hop_s for t in times]
+    call.output_tokens += tokens

@@ -98,6 +98,7 @@ class Simulation:
             BlockHasher(m.block_size, m.hash_algo, m.hash_seed),
             round(tuning.chunk_chars / tuning.chars_per_token),
             vocab,
+            chunks=self.router.uses_text,
         )
         w = spec.workload
         self.trace = None
@@ -206,6 +207,7 @@ class Simulation:
 
     def _abort_inflight(self) -> None:
         """Requests still running at the end are cut, as the live client's are at its stop: rows marked aborted."""
+        self.fleet.flush()  # their tokens streamed by now
         for call in list(self.inflight):
             call.status = 0
             call.error = ABORTED

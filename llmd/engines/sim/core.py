@@ -313,9 +313,10 @@ class EngineCore:
         self.expire_leases(now)
         return plan(self, now, max_steps)
 
-    def advance(self, run: DecodeRun, steps: int) -> list[KVCacheEvent]:
-        """Carries out `run`'s steps up to `steps` as step() would; returns the KV events of the steps carried out."""
-        run.apply(self, steps)
+    def advance(self, run: DecodeRun, steps: int, complete: bool = True) -> list[KVCacheEvent]:
+        """Carries out `run`'s steps up to `steps` as step() would; returns the KV events of the steps carried out.
+        `complete=False`: the KV work only, the requests' tokens later (DecodeRun.apply)."""
+        run.apply(self, steps, complete)
         return self.kv.take_events()
 
     def decode_outputs(self, run: DecodeRun, a: int, b: int) -> list[RequestOutput]:

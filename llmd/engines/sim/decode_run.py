@@ -14,6 +14,7 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,12 +35,14 @@ class DecodeRun:
     tokens request i has gained by the end of step s. `applied` steps have been carried out, `cut` will be."""
 
     __slots__ = (
+        "_behind",
         "_done",
         "_draws",
+        "_event_list",
         "_event_steps",
         "_events",
-        "_gained",
         "_next_event",
+        "_rows",
         "applied",
         "cut",
         "durations",
@@ -67,30 +70,39 @@ class DecodeRun:
         self.gained = gained
         self._events = events  # (step, request index) where allocate_slots has blocks to add or cache, in step order
         self._event_steps = {st for st, _ in events}
+        self._event_list = sorted(self._event_steps)
         self._next_event = 0
-        # The same as lists: read a number at a time per step, where numpy's scalars cost more than they save.
-        self._gained: list[list[int]] = gained.tolist()
-        self._draws = draws.tolist() if draws is not None else None  # MTP draws consumed by the end of each step
+        # Rows of `gained` as lists, made when first read: a number at a time per step, where numpy's scalars cost
+        # more than they save, and most rows of a run cut short are never read.
+        self._rows: dict[int, list[int]] = {}
+        self._draws = draws  # MTP draws consumed by the end of each step
         self.n_scheduled = n_scheduled  # tokens each request is scheduled per step: 1 + drafts
         self.out0 = [len(r.output_token_ids) for r in requests]
         # Every request's tokens of the whole run are in its output script: outputs need no step carried out.
-        last = self._gained[-1]
+        last = self._row(len(durations) - 1)
         self.scripted = all(
             r.script_tokens is not None and len(r.script_tokens) >= o + last[i]
             for i, (r, o) in enumerate(zip(requests, self.out0, strict=True))
         )
         self._done = [0] * len(requests)  # steps carried out per request
+        self._behind = False  # some request's tokens lag the steps carried out (apply with complete=False)
         self.applied = 0
         self.cut = len(durations)
 
     def __len__(self) -> int:
         return len(self.durations)
 
-    def apply(self, core: EngineCore, steps: int) -> None:
-        """Carries out steps up to `steps` (of at most `cut`): what `EngineCore.step` does in them, in its order."""
+    def apply(self, core: EngineCore, steps: int, complete: bool = True) -> None:
+        """Carries out steps up to `steps` (of at most `cut`): what `EngineCore.step` does in them, in its order.
+
+        `complete=False` carries out only the KV work (blocks allocated and cached, their events, CPU-tier writes) and
+        the MTP draws: a request's tokens then catch up at its own next KV work, or at a later complete apply. What
+        only reads the prefix cache, leases or block counts (a scrape, a P2P lookup) needs no more."""
         j = min(steps, self.cut)
         a = self.applied
         if j <= a:
+            if complete and self._behind:
+                self._complete(core)
             return
         kv = core.kv
         events = self._events
@@ -110,14 +122,23 @@ class DecodeRun:
             if kv._cpu_jobs:
                 kv.flush_cpu_stores()
             self._next_event = p
-        for i in range(len(self.requests)):
-            self._catch_up(core, i, j)
         draws = self._draws
         if draws is not None:
             rng = core._mtp_rng
             assert isinstance(rng, UniformStream)
-            rng.skip(draws[j - 1] - (draws[a - 1] if a else 0))
+            rng.skip(int(draws[j - 1] - (draws[a - 1] if a else 0)))
         self.applied = j
+        if complete:
+            self._complete(core)
+        else:
+            self._behind = True
+
+    def _complete(self, core: EngineCore) -> None:
+        """Every request's tokens up to the steps carried out."""
+        j = self.applied
+        for i in range(len(self.requests)):
+            self._catch_up(core, i, j)
+        self._behind = False
 
     def _catch_up(self, core: EngineCore, i: int, s: int) -> None:
         """Request i's tokens up to the start of step s (sampled, appended, their full blocks hashed)."""
@@ -125,8 +146,7 @@ class DecodeRun:
         d = done[i]
         if d >= s:
             return
-        g = self._gained
-        n = g[s - 1][i] - (g[d - 1][i] if d else 0)
+        n = self._row(s - 1)[i] - (self._row(d - 1)[i] if d else 0)
         r = self.requests[i]
         r.num_computed_tokens += n
         r.append_output(r.draw_tokens(n, core.sampler))
@@ -136,10 +156,9 @@ class DecodeRun:
     def tokens(self, i: int, a: int, b: int) -> list[int] | None:
         """Request i's tokens from steps a..b-1: read from its output script, or from its output once those steps are
         carried out; None when neither can say yet (random tokens past the script, steps not carried out)."""
-        g = self._gained
         o = self.out0[i]
-        lo = o + (g[a - 1][i] if a else 0)
-        hi = o + g[b - 1][i]
+        lo = o + (self._row(a - 1)[i] if a else 0)
+        hi = o + self._row(b - 1)[i]
         r = self.requests[i]
         script = r.script_tokens
         if script is not None and hi <= len(script):
@@ -151,6 +170,23 @@ class DecodeRun:
     def has_events(self, s: int) -> bool:
         """Whether step s allocates or caches blocks (so has KV events, or CPU-tier writes, to send at its end)."""
         return s in self._event_steps
+
+    def next_event_step(self, s: int) -> int:
+        """The first step from s on that has KV events (`len(self)` if none does)."""
+        steps = self._event_list
+        k = bisect_left(steps, s)
+        return steps[k] if k < len(steps) else len(self.durations)
+
+    def gained_between(self, i: int, a: int, b: int) -> int:
+        """Tokens request i gains in steps a..b-1."""
+        return self._row(b - 1)[i] - (self._row(a - 1)[i] if a else 0)
+
+    def _row(self, s: int) -> list[int]:
+        """`gained[s]` as a list."""
+        row = self._rows.get(s)
+        if row is None:
+            row = self._rows[s] = self.gained[s].tolist()
+        return row
 
 
 def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
@@ -218,7 +254,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     context = np.array(ctx) + before[:k]
     b0 = np.array(blocks0)
     blocks = np.maximum((context + (k_spec + bs - 1)) // bs, b0)
-    alloc = np.diff(blocks, axis=0, prepend=b0[None, :])
+    alloc = _step_diff(blocks, b0)
     cum_alloc = np.cumsum(alloc.sum(axis=1))
     free = core.kv.num_free_blocks
     if cum_alloc[-1] > free:
@@ -226,7 +262,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         if k < 2:
             return None
     c0 = np.array(cached0)
-    cache = np.diff(np.maximum(context[:k] // bs, c0), axis=0, prepend=c0[None, :])
+    cache = _step_diff(np.maximum(context[:k] // bs, c0), c0)
     durations = _durations(lat, context[:k])
     expiry = core.next_lease_expiry()
     if expiry is not None:
@@ -246,6 +282,14 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         draws[:k] if draws is not None else None,
         n_sched,
     )
+
+
+def _step_diff(x: np.ndarray, x0: np.ndarray) -> np.ndarray:
+    """np.diff(x, axis=0, prepend=x0[None, :]) without its generic machinery (a plan's arrays are small)."""
+    out = np.empty_like(x)
+    out[0] = x[0] - x0
+    np.subtract(x[1:], x[:-1], out=out[1:])
+    return out
 
 
 def _durations(lat: StepCostModel, context: np.ndarray) -> np.ndarray:

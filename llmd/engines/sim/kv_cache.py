@@ -113,14 +113,12 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         max_blocks = min((req.num_tokens - 1) // bs, len(hashes))
-        cached = self.cached
-        blocks: list[int] = []
-        for i in range(max_blocks):
-            v = cached.get(hashes[i])
-            if v is None:
-                break
-            blocks.append(v if type(v) is int else next(iter(v)))
-        n_gpu = len(blocks)
+        # One lookup per block in C (map), past the first miss too: prompts mostly hit most of their blocks.
+        found = list(map(self.cached.get, hashes[:max_blocks] if max_blocks < len(hashes) else hashes))
+        n_gpu = found.index(None) if None in found else len(found)
+        blocks: list = found[:n_gpu]
+        if dict in set(map(type, blocks)):  # a hash held by several blocks: the first one serves the hit
+            blocks = [v if type(v) is int else next(iter(v)) for v in blocks]
         j = n_gpu
         if self.cpu_capacity:
             cpu = self.cpu
@@ -193,14 +191,17 @@ class KVCacheManager:
         if n_new > 0 or num_hit:
             ref_cnt = self.ref_cnt
             # A hit block sitting in the free queue leaves it when touched: it counts against the free blocks.
-            n_evictable = sum(1 for b in new_computed_blocks if ref_cnt[b] == 0)
+            counts = list(map(ref_cnt.__getitem__, new_computed_blocks)) if num_hit else []
+            n_evictable = counts.count(0)
             if max(n_new, 0) + n_evictable + reserved_blocks > len(self.free_queue):
                 return False
             if num_hit:
-                free = self.free_queue
+                if n_evictable:
+                    free = self.free_queue
+                    for b, c in zip(new_computed_blocks, counts, strict=True):
+                        if c == 0:
+                            del free[b]
                 for b in new_computed_blocks:
-                    if ref_cnt[b] == 0:
-                        del free[b]
                     ref_cnt[b] += 1
                 req.block_ids.extend(new_computed_blocks)
                 req.num_cached_blocks = len(req.block_ids)
@@ -217,13 +218,15 @@ class KVCacheManager:
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
         out = []
+        popitem = free.popitem
         for _ in range(n):
-            b = free.popitem(last=False)[0]
-            h = block_hash[b]
-            if h is not None:
-                self._evict(b, h)
+            b = popitem(False)[0]
             ref_cnt[b] = 1
             out.append(b)
+        for b in out:
+            h = block_hash[b]
+            if h is not None:
+                self._evict(b, h)  # in the order handed out, as one by one: BlockRemoved events in that order
         return out
 
     def _evict(self, b: int, h: bytes) -> None:
@@ -238,7 +241,7 @@ class KVCacheManager:
                     self.cached[h] = next(iter(v))
         self.block_hash[b] = None
         self.gpu_evicted_blocks += 1
-        self.events.append(BlockRemoved([_h64(h)], GPU, 0))
+        self.events.append(BlockRemoved([int.from_bytes(h, "big") & MASK64], GPU, 0))
 
     def cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
         """Caches the request's full blocks up to `num_tokens` and publishes them in one BlockStored."""
@@ -364,10 +367,11 @@ class KVCacheManager:
                 evicted = [_h64(h) for h in victims]
                 self.cpu_evicted_blocks += len(evicted)
                 events.append(BlockRemoved(evicted, CPU, 0))
+            from_bytes = int.from_bytes
             for h, meta in keys:
                 cpu[h] = meta
                 if meta is None:
-                    events.append(BlockStored([_h64(h)], None, [], 0, None, CPU, None, None, 0))
+                    events.append(BlockStored([from_bytes(h, "big") & MASK64], None, [], 0, None, CPU, None, None, 0))
                 else:
                     parent, tokens = meta  # vLLM defers extra keys on CPU events: published as None
                     events.append(
