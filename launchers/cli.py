@@ -72,7 +72,14 @@ def _gpus(mode: str, partition: str | None, dry_run: bool) -> bool:
         return mode == "yes"
     if dry_run and not _have("sinfo"):
         return True
-    found = has_gpu_gres(partition)
+    try:
+        found = has_gpu_gres(partition)
+    except UserError as exc:
+        if not dry_run:
+            raise
+        # A dry run only shows what would be submitted: a controller that cannot be asked is no reason to fail it.
+        print(f"llmd: {exc}; the dry run assumes GPU GRES (--gpus yes/no decides)", file=sys.stderr)
+        return True
     if not found:
         print(
             "llmd launch: the cluster has no GPU GRES: leaving out --gpus-per-node (--gpus yes forces it)",
