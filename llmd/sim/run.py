@@ -41,6 +41,7 @@ class SimStats:
     requests: int = 0
     errors: int = 0  # refused or failed requests; the run's cut-off is counted apart, in `aborted`
     aborted: int = 0  # still running when the run ended (the client's stop, not a failure)
+    overflows: int = 0  # whole run: turns compacted or reset so the prompt fits the model's window (max_model_len)
     input_tokens: int = 0
     output_tokens: int = 0
     ttft_p50_s: float = math.nan
@@ -132,7 +133,7 @@ class Simulation:
             turns = read_trace(w.trace_path, context_scale=w.context_scale, time_scale=w.time_scale)
             self.trace = trace_sessions(turns, str(w.trace_path))
             w = w.model_copy(update={"profile": "smoke"})  # the profile only seeds and salts a replayed run
-        workload = profile_from_spec(w, run_id=run_id)
+        workload = profile_from_spec(w, run_id=run_id, max_model_len=m.max_model_len)
         self.duration_s = float(spec.workload.duration_s)
         self.agents = Agents(loop, workload, builder, self._send, self.duration_s)
         self.inflight: set[Call] = set()
@@ -295,3 +296,4 @@ class Simulation:
         if d.pulls:
             s.kv_transfer_bytes_mean = d.pull_bytes / d.pulls
         s.p2p_lookups = d.p2p_lookups
+        s.overflows = self.agents.stats.overflows
