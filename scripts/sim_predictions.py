@@ -8,8 +8,9 @@
    contexts, 15 minutes).
 3. ablate: the six capabilities switched off one at a time at the 2,500-agent point (llmd/sim/ablations.py).
 Writes results/sim-predictions/{calibration,predictions,ablations}.json, ablations.png, and prints the tables
-docs/simulator.md holds. Runs go in parallel on the local cores. `python scripts/sim_predictions.py [--only STEP]
-[--duration S] [--skip-calibration]`.
+docs/simulator.md holds (the figure also as docs/simulator-ablations.png). Runs go in parallel on `--workers` cores.
+`python scripts/sim_predictions.py [--only STEP] [--duration S] [--warmup S] [--agentx-warmup S] [--workers N]`;
+`--report` prints the tables and draws the figure again from the rows already written.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ AB_INPUT_TPM = 134.89e6
 AB_OUTPUT_TPM = 6.05e6
 CALIBRATION_DIR = ROOT / "llmd" / "sim" / "data" / "calibration-automationbench"
 OUT = ROOT / "results" / "sim-predictions"
+FIGURE = ROOT / "docs" / "simulator-ablations.png"
 
 
 def base_spec(profile: str, agents: int, duration_s: float, policy: str | None = None) -> Any:
@@ -162,8 +164,8 @@ def prediction_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| scenario | warm-up | requests/min (or makespan) | TTFT p90 (warm-up's) | queue p90 | local prefix-hit share "
         "| input served from cache | NIXL transfers (MiB each) | CPU-tier restores (mean) | P2P lookups | preemptions "
-        "| errors (cut off at the end) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| errors (cut off at the end) | compactions at the window |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -177,7 +179,8 @@ def prediction_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['name']} | {_warmup(r)} | {rate} | {ttft} | {_ms(s['queue_p90_s'])} | {s['hit_share_gpu']:.3f} | "
             f"{s['cached_input_share']:.3f} | {s['kv_transfers']:,} ({mib:,.0f}) | {restores} | "
-            f"{s['p2p_lookups']:,} | {s['preemptions']:,} | {r['errors']:,} ({r['aborted']:,}) |"
+            f"{s['p2p_lookups']:,} | {s['preemptions']:,} | {r['errors']:,} ({r['aborted']:,}) | "
+            f"{r.get('overflows', 0):,} |"
         )
     return head + "\n".join(lines)
 
@@ -218,6 +221,31 @@ def ablation_figure(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _rows(step: str) -> list[dict[str, Any]] | None:
+    """A step's rows: its .json when the step finished, else what its .partial.jsonl kept."""
+    whole, partial = OUT / f"{step}.json", OUT / f"{step}.partial.jsonl"
+    if whole.exists():
+        return json.loads(whole.read_text())
+    if partial.exists():
+        return [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+    return None
+
+
+def report() -> None:
+    from llmd.sim.ablations import ABLATIONS
+
+    preds = _rows("predictions")
+    if preds:
+        print(prediction_table(preds))
+    abl = _rows("ablations")
+    if abl:
+        order = ["full deployment"] + [f"without {name}" for name in ABLATIONS]
+        abl = sorted(abl, key=lambda r: order.index(r["name"]))
+        print(ablation_table(abl))
+        if abl[0]["name"] == "full deployment" and len(abl) > 1:
+            ablation_figure(abl, FIGURE)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("calibrate", "predict", "ablate"))
@@ -230,8 +258,12 @@ def main() -> None:
         default=180.0,
         help="AgentX's warm-up, seconds of its 15 minutes: 128 first prompts of ~195K tokens arrive within 10 s",
     )
+    ap.add_argument("--report", action="store_true", help="only the tables and figure, from the rows written")
     a = ap.parse_args()
     warmup = a.warmup if a.warmup is not None else a.duration / 4
+    if a.report:
+        report()
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     if a.only in (None, "calibrate"):
         cal = calibrate(a.duration, warmup)
@@ -245,6 +277,7 @@ def main() -> None:
         rows = ablations(a.duration, warmup, a.workers)
         (OUT / "ablations.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
         ablation_figure(rows, OUT / "ablations.png")
+        ablation_figure(rows, FIGURE)
         print(ablation_table(rows))
 
 
