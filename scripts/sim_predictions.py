@@ -10,7 +10,8 @@
 Writes results/sim-predictions/{calibration,predictions,ablations}.json, ablations.png, and prints the tables
 docs/simulator.md holds (the figure also as docs/simulator-ablations.png). Runs go in parallel on `--workers` cores.
 `python scripts/sim_predictions.py [--only STEP] [--duration S] [--warmup S] [--agentx-warmup S] [--workers N]`;
-`--report` prints the tables and draws the figure again from the rows already written.
+`--report` prints the tables and draws the figure again from the rows already written; `--resume` runs only the rows
+a cut-short run did not write.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def calibrate(duration_s: float, warmup_s: float) -> dict[str, Any]:
     }
 
 
-def predictions(duration_s: float, warmup_s: float, agentx_warmup_s: float, workers: int) -> list[dict[str, Any]]:
+def predictions(
+    duration_s: float, warmup_s: float, agentx_warmup_s: float, workers: int, resume: bool
+) -> list[dict[str, Any]]:
     # CyberGym is a fixed batch of sessions measured whole (its makespan), cold start included: no warm-up.
     jobs = [
         # Shortest first, so a run cut short still has what finished.
@@ -121,34 +124,42 @@ def predictions(duration_s: float, warmup_s: float, agentx_warmup_s: float, work
         ("CyberGym, 400 agents, precise", base_spec("cybergym", 400, 7200.0, "precise"), 0.0),
         ("CyberGym, 400 agents, approximate", base_spec("cybergym", 400, 7200.0, "approximate"), 0.0),
     ]
-    with ProcessPoolExecutor(workers) as pool:
-        futs = [pool.submit(run, name, spec, w, True) for name, spec, w in jobs]
-        return _collect(futs, OUT / "predictions.partial.jsonl")
+    return _run_all(jobs, OUT / "predictions.partial.jsonl", workers, resume)
 
 
-def _collect(futs: list[Any], partial: Path) -> list[dict[str, Any]]:
-    """Each run's row as it finishes, also appended to `partial` (hours of runs: what finished is kept if the rest is
-    cut short); returned in submission order."""
+def _run_all(jobs: list[tuple[str, Any, float]], partial: Path, workers: int, resume: bool) -> list[dict[str, Any]]:
+    """Each job's row, appended to `partial` as it finishes (hours of runs: what finished is kept if the rest is cut
+    short); with `resume`, jobs whose row `partial` holds already are not run again. Rows in the jobs' order."""
     from concurrent.futures import as_completed
 
     partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.unlink(missing_ok=True)
-    for f in as_completed(futs):
-        row = f.result()
-        print(f"  done: {row['name']} [{row['wall_s']:.0f} s]", flush=True)
-        with partial.open("a") as fh:
-            fh.write(json.dumps(row, default=str) + "\n")
-    return [f.result() for f in futs]
+    if not resume:
+        partial.unlink(missing_ok=True)
+    done = {r["name"]: r for r in _read_jsonl(partial)}
+    todo = [job for job in jobs if job[0] not in done]
+    with ProcessPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        futs = [pool.submit(run, name, spec, warmup, True) for name, spec, warmup in todo]
+        for f in as_completed(futs):
+            row = f.result()
+            print(f"  done: {row['name']} [{row['wall_s']:.0f} s]", flush=True)
+            with partial.open("a") as fh:
+                fh.write(json.dumps(row, default=str) + "\n")
+            done[row["name"]] = row
+    return [done[name] for name, _, _ in jobs]
 
 
-def ablations(duration_s: float, warmup_s: float, workers: int) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def ablations(duration_s: float, warmup_s: float, workers: int, resume: bool) -> list[dict[str, Any]]:
     from llmd.sim.ablations import ABLATIONS, ablated
 
     full = base_spec("automationbench", 2500, duration_s)
-    jobs = [("full deployment", full)] + [(f"without {name}", ablated(full, name)) for name in ABLATIONS]
-    with ProcessPoolExecutor(workers) as pool:
-        futs = [pool.submit(run, name, spec, warmup_s, True) for name, spec in jobs]
-        return _collect(futs, OUT / "ablations.partial.jsonl")
+    # Approximate routing's run is the slowest (several times the others'): last, so a run cut short has the rest.
+    names = sorted(ABLATIONS, key=lambda name: name == "precise routing")
+    jobs = [("full deployment", full, warmup_s)] + [(f"without {n}", ablated(full, n), warmup_s) for n in names]
+    return _run_all(jobs, OUT / "ablations.partial.jsonl", workers, resume)
 
 
 def _ms(v: float) -> str:
@@ -226,9 +237,7 @@ def _rows(step: str) -> list[dict[str, Any]] | None:
     whole, partial = OUT / f"{step}.json", OUT / f"{step}.partial.jsonl"
     if whole.exists():
         return json.loads(whole.read_text())
-    if partial.exists():
-        return [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
-    return None
+    return _read_jsonl(partial) or None
 
 
 def report() -> None:
@@ -259,6 +268,7 @@ def main() -> None:
         help="AgentX's warm-up, seconds of its 15 minutes: 128 first prompts of ~195K tokens arrive within 10 s",
     )
     ap.add_argument("--report", action="store_true", help="only the tables and figure, from the rows written")
+    ap.add_argument("--resume", action="store_true", help="keep the rows a cut-short run wrote; run only the rest")
     a = ap.parse_args()
     warmup = a.warmup if a.warmup is not None else a.duration / 4
     if a.report:
@@ -270,11 +280,11 @@ def main() -> None:
         (OUT / "calibration.json").write_text(json.dumps(cal, indent=1) + "\n")
         print(f"calibrated: scale {cal['scale']:.3f} {cal['factors']} -> {cal['fitted_rpm']:,.0f} requests/min")
     if a.only in (None, "predict"):
-        rows = predictions(a.duration, warmup, a.agentx_warmup, a.workers)
+        rows = predictions(a.duration, warmup, a.agentx_warmup, a.workers, a.resume)
         (OUT / "predictions.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
         print(prediction_table(rows))
     if a.only in (None, "ablate"):
-        rows = ablations(a.duration, warmup, a.workers)
+        rows = ablations(a.duration, warmup, a.workers, a.resume)
         (OUT / "ablations.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
         ablation_figure(rows, OUT / "ablations.png")
         ablation_figure(rows, FIGURE)
