@@ -75,6 +75,7 @@ def run(name: str, spec: Any, warmup_s: float, calibrated: bool) -> dict[str, An
         warmup_s=warmup_s,
         steady=asdict(sim.steady if sim.steady is not None else st),
         cold_ttft_p90_s=_p90(cold),
+        ttft_p90_by_window=_ttft_by_window(sim.calls, end),
         wall_s=time.perf_counter() - t0,
         steady_rpm=steady_rate(sim.calls, warmup_s, end) if end > warmup_s else math.nan,
         input_tpm=sum(c.input_tokens for c in ok) * 60 / span,
@@ -82,6 +83,17 @@ def run(name: str, spec: Any, warmup_s: float, calibrated: bool) -> dict[str, An
         requests_per_min=st.requests_per_min,
     )
     return out
+
+
+def _ttft_by_window(calls: list[Any], end: float, windows: int = 6) -> list[tuple[float, float]]:
+    """(window start, TTFT p90 of the requests sent in it) over `windows` equal spans of the run: whether a steady
+    state exists, or latency keeps growing as contexts do."""
+    span = end / windows
+    sent: list[list[float]] = [[] for _ in range(windows)]
+    for c in calls:
+        if c.first_token is not None and c.send_time < end:
+            sent[int(c.send_time // span)].append(c.first_token - c.send_time)
+    return [(i * span, _p90(v)) for i, v in enumerate(sent)]
 
 
 def _p90(values: list[float]) -> float:
