@@ -195,7 +195,8 @@ def prediction_table(rows: list[dict[str, Any]]) -> str:
         s = r["steady"]
         rate = f"{r['steady_rpm']:,.0f}" if not math.isnan(r["steady_rpm"]) else "-"
         if "CyberGym" in r["name"]:
-            rate = f"all sessions in {r['makespan_s'] / 60:,.1f} min ({r['requests_per_min']:,.0f}/min)"
+            rate = f"{r['requests']:,} requests, the last done at {r['makespan_s'] / 60:,.1f} min "
+            rate += f"({r['requests'] * 60 / r['makespan_s']:,.0f}/min)"
         ttft = _ms(s["ttft_p90_s"]) + (f" ({_ms(r['cold_ttft_p90_s'])})" if r["warmup_s"] > 0 else "")
         restores = f"{s['cpu_restores']:,} ({_ms(s['cpu_restore_mean_s'])})"
         mib = s["kv_transfer_bytes_mean"] / 2**20 if s["kv_transfers"] else 0
