@@ -175,7 +175,9 @@ def ablations(duration_s: float, warmup_s: float, workers: int, resume: bool) ->
 
 
 def _ms(v: float) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1000:,.0f} ms"
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.1f} s" if v >= 10 else f"{v * 1000:,.0f} ms"
 
 
 def _warmup(r: dict[str, Any]) -> str:
