@@ -240,9 +240,13 @@ def ablation_figure(rows: list[dict[str, Any]], path: Path) -> None:
     a.barh(names, [100 * x for x in rpm])
     a.set_xlabel("requests/min lost without it (%)")
     b.barh(names, ttft)
+    for i, v in enumerate(ttft):
+        if math.isnan(v):  # nothing sent after the warm-up got its first token before the run ended
+            b.text(0.02, i, "no first token after the warm-up", va="center", fontsize=8)
     b.axvline(1.0, color="k", lw=0.8)
     b.set_xlabel("TTFT p90 without it / with it")
-    fig.suptitle("What each capability buys: glm52-544gpu, 2,500 AutomationBench agents (simulated)")
+    window = f"{full['sim_s']:,.0f} s, {full['warmup_s']:,.0f} s warm-up"
+    fig.suptitle(f"What each capability buys: glm52-544gpu, 2,500 AutomationBench agents (simulated, {window})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
