@@ -233,7 +233,9 @@ async def _run_policy(spec: Any, policy: str, run: PolicyRun, model_dir: Path, t
     from llmd.workload.loadgen import LoadConfig, run_load
 
     spec = spec.model_copy(update={"router": spec.router.model_copy(update={"policy": policy})})
-    workload = profile_from_spec(spec.workload, run_id=f"{run_id}-{policy}")  # same seed, fresh salt per run
+    workload = profile_from_spec(
+        spec.workload, f"{run_id}-{policy}", spec.model.max_model_len
+    )  # same seed, fresh salt per run
     meta = {"spec": spec, "policy": policy, "run_id": run_id, "concurrency": spec.workload.concurrency}
     # Each producer writes its own file, as it would in its own process on a cluster; merged into run.metrics below.
     parts = {name: run.out_dir / f"{name}.h5" for name in ("client", "router", "engines")}

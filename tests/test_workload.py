@@ -3,6 +3,7 @@ prompts with exact token counts that grow by appending."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from itertools import pairwise
 from types import SimpleNamespace
@@ -306,3 +307,54 @@ def test_subagent_inputs_never_exceed_max_context(tok):
     first = next(iter(pw.session(child, w.profile.model.system, parent=parent)))
     assert pw.count(first.messages) == first.turn.input_tokens <= 4000
     assert first.messages[0]["role"] == "system" and len(first.messages) == 2
+
+
+@pytest.mark.parametrize("overflow", ["compact", "reset"])
+def test_no_prompt_exceeds_the_model_window(overflow):
+    # AgentX's ~195K-token contexts grow past a 262,144-token window within a session: without it in the plan, the
+    # simulator sent prompts of up to 587K tokens that vLLM refuses (400). With it, a session compacts (or resets)
+    # first, and each such turn is marked so a run can count them.
+    window = 262_144
+    params = {"overflow": overflow, "fork_p": 0.05}
+    grown = _plans(build_profile("agentx", params=params), 32, seed=1)
+    assert max(t.input_tokens + t.output_tokens for p in grown for t in p.all_turns()) > window
+    prof = profile_from_spec(_spec(profile="agentx", params=params), "x", max_model_len=window).profile
+    turns = [t for p in _plans(prof, 32, seed=1) for t in p.all_turns()]
+    assert all(t.input_tokens + t.output_tokens <= window for t in turns)
+    forced = [t for t in turns if t.overflow]
+    assert len(forced) > 10 and any(t.is_subagent for t in forced)
+    if overflow == "compact":
+        assert all(t.compaction and not t.reset and t.new_tokens == t.input_tokens for t in forced)
+        assert all(t.input_tokens < 0.2 * window for t in forced if not t.is_subagent)
+    else:
+        assert all(t.reset and not t.compaction for t in forced)
+    # The same draws: turns before a session's first forced one are as they were without the window.
+    before = _plans(build_profile("agentx", params=params), 1, seed=1)[0].turns
+    after = _plans(prof, 1, seed=1)[0].turns
+    first = next((i for i, t in enumerate(after) if t.overflow), len(after))
+    assert before[:first] == [dataclasses.replace(t, overflow=False) for t in after[:first]]
+    with pytest.raises(ValueError, match="max_model_len"):
+        build_profile("agentx", max_model_len=100)
+
+
+def test_prompts_fit_a_small_window(tok):
+    # The demo's shape (a 4096-token window, contexts scaled to a few thousand tokens, frequent forks): every prompt
+    # the writer renders, a sub-agent's compacted first turn included, fits with its max_tokens.
+    params = {"fork_p": 0.2, "max_context": 100_000}
+    prof = build_profile("trace-stats", concurrency=4, context_scale=0.04, params=params, max_model_len=4096)
+    w = Workload(prof, 0, "s")
+    pw = PromptWriter(tok, w.salt)
+    sys_tokens = prof.model.system
+    seen = 0
+    for plan in _plans(prof, 4):
+        prompts = list(pw.session(plan, sys_tokens))
+        for child in plan.children:
+            first = next(iter(pw.session(child, sys_tokens, parent=prompts[child.parent_turn_index])))
+            if first.turn.overflow:
+                seen += 1
+                assert first.turn.compaction and first.messages[0]["role"] == "system" and len(first.messages) == 2
+            assert pw.count(first.messages) == first.turn.input_tokens
+            assert first.turn.input_tokens + first.turn.output_tokens <= 4096
+        for p in prompts:
+            assert p.turn.input_tokens + p.turn.output_tokens <= 4096
+    assert seen > 0

@@ -33,6 +33,7 @@ class AgentStats:
     sent: int = 0
     done: int = 0
     failed: int = 0
+    overflows: int = 0  # turns compacted or reset because the prompt would not have fit the model's window
 
 
 class Agents:
@@ -82,6 +83,7 @@ class Agents:
             new_tokens,
         )
         self.stats.sent += 1
+        self.stats.overflows += turn.overflow
         self.inflight += 1
         self.send(call)
 

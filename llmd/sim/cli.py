@@ -102,6 +102,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(
         f"requests/min {stats.requests_per_min:,.0f}  engines' hit share {stats.hit_share:.1%}  "
         f"input served from cache {stats.cached_input_share:.1%}  preemptions {stats.preemptions}"
+        + (f"  sessions compacted or reset to fit max_model_len {stats.overflows:,}" if stats.overflows else "")
     )
     print(
         f"KV transfers {stats.kv_transfers:,} ({stats.kv_transfer_bytes_mean / 2**20:,.1f} MiB each)  "

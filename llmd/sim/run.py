@@ -7,6 +7,7 @@ Ctrl-C keeps what was simulated: every part file is closed and merged into the r
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -38,7 +39,9 @@ class SimStats:
     events: int = 0
     interrupted: bool = False
     requests: int = 0
-    errors: int = 0
+    errors: int = 0  # refused or failed requests; the run's cut-off is counted apart, in `aborted`
+    aborted: int = 0  # still running when the run ended (the client's stop, not a failure)
+    overflows: int = 0  # whole run: turns compacted or reset so the prompt fits the model's window (max_model_len)
     input_tokens: int = 0
     output_tokens: int = 0
     ttft_p50_s: float = math.nan
@@ -54,6 +57,7 @@ class SimStats:
     cpu_restores: int = 0
     cpu_restore_mean_s: float = math.nan
     makespan_s: float = math.nan  # when the last successful request ended (a fixed batch of sessions: its duration)
+    since_s: float = 0.0  # the window's start: requests sent from then on, engine counters accrued from then on
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -67,6 +71,25 @@ class SimStats:
     @property
     def events_per_s(self) -> float:
         return self.events / self.wall_s if self.wall_s > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The fleet's and router's cumulative counters at one moment; a window's figures are two snapshots' difference,
+    so a run's warm-up (cold caches, every agent's first prompt at once) can be left out of its steady state."""
+
+    queries: int = 0
+    hits_gpu: int = 0
+    hits: int = 0  # local GPU + CPU tier
+    preemptions: int = 0
+    cpu_restores: int = 0
+    cpu_restore_s: float = 0.0
+    pulls: int = 0
+    pull_bytes: float = 0.0
+    p2p_lookups: int = 0
+
+    def __sub__(self, o: Counters) -> Counters:
+        return Counters(*(getattr(self, f.name) - getattr(o, f.name) for f in dataclasses.fields(self)))
 
 
 class Simulation:
@@ -111,7 +134,7 @@ class Simulation:
             turns = read_trace(w.trace_path, context_scale=w.context_scale, time_scale=w.time_scale)
             self.trace = trace_sessions(turns, str(w.trace_path))
             w = w.model_copy(update={"profile": "smoke"})  # the profile only seeds and salts a replayed run
-        workload = profile_from_spec(w, run_id=run_id)
+        workload = profile_from_spec(w, run_id=run_id, max_model_len=m.max_model_len)
         self.duration_s = float(spec.workload.duration_s)
         self.agents = Agents(loop, workload, builder, self._send, self.duration_s)
         self.inflight: set[Call] = set()
@@ -128,6 +151,7 @@ class Simulation:
             self.recorder = SimRecorder(Path(out_dir), self.fleet, self.router, meta)
         self.metrics_path = Path(out_dir) / "metrics.h5" if out_dir is not None else None
         self.calls: list[Call] = []
+        self.steady: SimStats | None = None
         self._keep = keep_contexts
         self._empty = builder.empty
 
@@ -156,7 +180,9 @@ class Simulation:
         self.router.scrape()
         self.loop.after(self.params.scrape_interval_s, self._scrape)
 
-    def run(self, progress: Callable[[float, SimStats], None] | None = None) -> SimStats:
+    def run(self, progress: Callable[[float, SimStats], None] | None = None, warmup_s: float = 0.0) -> SimStats:
+        """The whole run's figures; with `warmup_s` > 0, `self.steady` also holds those of the requests sent from
+        `warmup_s` on (engine counters accrued from then on)."""
         loop = self.loop
         stats = SimStats()
         # The fleet, index and agents built so far live for the whole run: frozen out of the collector's walks, and
@@ -167,13 +193,16 @@ class Simulation:
         thresholds = gc.get_threshold()
         gc.set_threshold(100_000, 50, 100)
         try:
-            return self._run(loop, stats, progress)
+            return self._run(loop, stats, progress, warmup_s)
         finally:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
 
-    def _run(self, loop: EventLoop, stats: SimStats, progress: Callable[[float, SimStats], None] | None) -> SimStats:
+    def _run(
+        self, loop: EventLoop, stats: SimStats, progress: Callable[[float, SimStats], None] | None, warmup_s: float
+    ) -> SimStats:
         wall0 = time.perf_counter()
+        base: Counters | None = Counters() if warmup_s <= 0 else None
         self._scrape()
         if self.trace is not None:
             self.agents.replay(self.trace)
@@ -185,6 +214,8 @@ class Simulation:
             while t < end:
                 t = min(t + 1.0, end)
                 loop.run(t)
+                if base is None and t >= warmup_s:
+                    base = self.counters()
                 if self.recorder is not None:
                     self.recorder.tick(t)
                 if progress is not None:
@@ -200,7 +231,10 @@ class Simulation:
             self.recorder.tick(max(t, loop.now) + 1.0)
         stats.wall_s = time.perf_counter() - wall0
         stats.events = loop.events
-        self._fill(stats)
+        self._fill(stats, 0.0, Counters())
+        if warmup_s > 0:
+            self.steady = SimStats(stats.sim_s, stats.wall_s, stats.events, stats.interrupted)
+            self._fill(self.steady, warmup_s, base if base is not None else self.counters())
         if self.recorder is not None and self.metrics_path is not None:
             self.recorder.close(self.metrics_path)
         return stats
@@ -217,12 +251,31 @@ class Simulation:
             if self.recorder is not None:
                 self.recorder.finished(call)
 
-    def _fill(self, s: SimStats) -> None:
+    def counters(self) -> Counters:
+        self.fleet.sync()  # the engines' counters as single steps would have left them
+        q = h = hg = pre = restores = 0
+        restore_s = 0.0
+        for r in self.fleet.ranks:
+            st = r.core.stats()
+            q += st.prefix_cache_queries
+            hg += st.prefix_cache_hits
+            h += st.prefix_cache_hits + st.cpu_prefix_cache_hits
+            pre += st.num_preemptions
+            restores += r.core.cpu_restores
+            restore_s += r.core.cpu_restore_s
+        t = self.fleet.transfers
+        return Counters(q, hg, h, pre, restores, restore_s, t.pulls, t.bytes, self.router.p2p_lookups)
+
+    def _fill(self, s: SimStats, since: float, base: Counters) -> None:
+        """`s` from the requests sent at or after `since` and the counters accrued since the snapshot `base`."""
         import numpy as np
 
-        ok = [c for c in self.calls if c.status == 200 and not c.error]
-        s.requests = len(self.calls)
-        s.errors = len(self.calls) - len(ok)
+        calls = [c for c in self.calls if c.send_time >= since]
+        ok = [c for c in calls if c.status == 200 and not c.error]
+        s.since_s = since
+        s.requests = len(calls)
+        s.aborted = sum(1 for c in calls if c.error == ABORTED)
+        s.errors = len(calls) - len(ok) - s.aborted
         s.input_tokens = sum(c.input_tokens for c in ok)
         s.output_tokens = sum(c.output_tokens for c in ok)
         ttft = [c.first_token - c.send_time for c in ok if c.first_token is not None]
@@ -233,24 +286,16 @@ class Simulation:
             s.makespan_s = max(c.done_time or 0.0 for c in ok)
         if queue:
             s.queue_p90_s = float(np.percentile(queue, 90))
-        self.fleet.sync()  # the engines' counters as single steps would have left them
-        q = h = hg = 0
-        for r in self.fleet.ranks:
-            st = r.core.stats()
-            q += st.prefix_cache_queries
-            hg += st.prefix_cache_hits
-            h += st.prefix_cache_hits + st.cpu_prefix_cache_hits
-            s.preemptions += st.num_preemptions
-            s.cpu_restores += r.core.cpu_restores
-        if q:
-            s.hit_share, s.hit_share_gpu = h / q, hg / q
+        d = self.counters() - base
+        if d.queries:
+            s.hit_share, s.hit_share_gpu = d.hits / d.queries, d.hits_gpu / d.queries
         if s.input_tokens:
             s.cached_input_share = min(1.0, sum(max(c.cached_tokens, 0) for c in ok) / s.input_tokens)
-        restore_s = sum(r.core.cpu_restore_s for r in self.fleet.ranks)
-        if s.cpu_restores:
-            s.cpu_restore_mean_s = restore_s / s.cpu_restores
-        t = self.fleet.transfers
-        s.kv_transfers = t.pulls
-        if t.pulls:
-            s.kv_transfer_bytes_mean = t.bytes / t.pulls
-        s.p2p_lookups = self.router.p2p_lookups
+        s.preemptions, s.cpu_restores = d.preemptions, d.cpu_restores
+        if d.cpu_restores:
+            s.cpu_restore_mean_s = d.cpu_restore_s / d.cpu_restores
+        s.kv_transfers = d.pulls
+        if d.pulls:
+            s.kv_transfer_bytes_mean = d.pull_bytes / d.pulls
+        s.p2p_lookups = d.p2p_lookups
+        s.overflows = self.agents.stats.overflows

@@ -196,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> int:
         # The replay's salt and seed come from a profile; its sessions from the trace.
         wspec = wspec.model_copy(update={"profile": "trace-stats"})
     try:
-        workload = profile_from_spec(wspec, run_name)
+        workload = profile_from_spec(wspec, run_name, spec.model.max_model_len)
     except ValueError as e:
         raise UserError(f"workload: {e}") from None
     trace = None

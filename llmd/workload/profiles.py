@@ -149,7 +149,7 @@ def _base(name: str, concurrency: int, duration_s: float) -> Profile:
 
 PROFILES = tuple(PROFILE_BUILDERS)
 _DIMS = ("initial", "growth", "output", "gap_s", "turns", "group_size", "subagent_turns", "subagent_task")
-_SCALARS = ("reset_p", "compaction_p", "compaction_ratio", "max_context", "system_tokens", "fork_p")
+_SCALARS = ("reset_p", "compaction_p", "compaction_ratio", "max_context", "system_tokens", "fork_p", "overflow")
 _PROFILE_FIELDS = ("agents", "sessions_per_agent", "stagger_s")
 ALLOWED_PARAMS = tuple(
     sorted(
@@ -168,9 +168,11 @@ def build_profile(
     context_scale: float = 1.0,
     time_scale: float = 1.0,
     params: Mapping[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> Profile:
     """A named profile with `params` overriding its numbers (a dimension `d` as `d` for a fixed value or `d_p50`,
-    `d_p90`, `d_p99`); unknown names raise ValueError naming the allowed ones."""
+    `d_p90`, `d_p99`); unknown names raise ValueError naming the allowed ones. `max_model_len`: the deployment's
+    window, which no prompt plus its max_tokens may exceed (sessions compact or reset before it)."""
     params = dict(params or {})
     unknown = sorted(set(params) - set(ALLOWED_PARAMS))
     if unknown:
@@ -195,7 +197,9 @@ def build_profile(
     for s in _SCALARS:
         if s in params:
             changes[s] = type(getattr(model, s))(params[s])
-    model = dataclasses.replace(model, **changes, context_scale=context_scale, time_scale=time_scale)
+    model = dataclasses.replace(
+        model, **changes, context_scale=context_scale, time_scale=time_scale, max_model_len=max_model_len
+    )
     if "subagent_share" in params:
         model = dataclasses.replace(model, fork_p=fork_p_for_share(model, float(params["subagent_share"])))
     agents = int(params.get("agents", prof.agents))
@@ -206,9 +210,10 @@ def build_profile(
     return Profile(name, agents, None if spa is None else int(spa), prof.duration_s, model, stagger)
 
 
-def profile_from_spec(workload: Any, run_id: str = "") -> Workload:
-    """The `Workload` a spec's `workload:` section describes (a llmd.spec.model.WorkloadSpec). Profile "trace" is
-    replayed by llmd.workload.trace instead."""
+def profile_from_spec(workload: Any, run_id: str = "", max_model_len: int | None = None) -> Workload:
+    """The `Workload` a spec's `workload:` section describes (a llmd.spec.model.WorkloadSpec); `max_model_len` is the
+    spec's model.max_model_len, the window its sessions must fit. Profile "trace" is replayed by llmd.workload.trace
+    instead."""
     if workload.profile == "trace":
         raise ValueError('profile "trace" replays workload.trace_path; use llmd.workload.trace.read_trace')
     prof = build_profile(
@@ -218,6 +223,7 @@ def profile_from_spec(workload: Any, run_id: str = "") -> Workload:
         context_scale=workload.context_scale,
         time_scale=workload.time_scale,
         params=workload.params,
+        max_model_len=max_model_len,
     )
     return Workload(prof, workload.seed, run_salt(workload.seed, run_id))
 

@@ -160,13 +160,13 @@ class PromptWriter:
 
     def session(self, plan: SessionPlan, system_tokens: int, parent: PromptTurn | None = None):
         """Yield a PromptTurn per turn of `plan`; a sub-agent plan needs `parent`, its parent's PromptTurn at the
-        fork turn (unless its first turn is a reset). Text sizes are clamped to the minimum renderable size (see
-        the class doc), so a small plan never raises."""
+        fork turn (unless its first turn is a reset or a compaction). Text sizes are clamped to the minimum renderable
+        size (see the class doc), so a small plan never raises."""
         messages: list[dict[str, Any]] = []
         prev: PromptTurn | None = None
         for turn in plan.turns:
             key = f"{plan.session_id}/{turn.turn_index}"
-            if turn.turn_index == 0 and turn.is_subagent and not turn.reset:
+            if turn.turn_index == 0 and turn.is_subagent and not (turn.reset or turn.compaction):
                 if parent is None:
                     raise ValueError(f"sub-agent {plan.session_id} needs its parent's PromptTurn")
                 task = self._fit(turn.new_tokens, self._fork_cost)

@@ -48,6 +48,7 @@ class Turn:
     reset: bool = False
     compaction: bool = False
     forks: int = 0
+    overflow: bool = False  # the reset or compaction was forced by the model's window (max_model_len)
 
 
 @dataclass(slots=True)
@@ -86,6 +87,11 @@ class SessionModel:
     compaction_p: float = 0.0003
     compaction_ratio: float = 0.1  # a compaction's summary is this share of the context
     max_context: float = 850_000.0  # a turn that would exceed it starts a new context (a reset)
+    # The deployment's window: vLLM refuses (400) a prompt whose tokens plus max_tokens exceed it, so an agent
+    # harness compacts (or resets, per `overflow`) before sending one. None: no window (contexts capped by
+    # max_context only). In tokens as sent, after context_scale.
+    max_model_len: int | None = None
+    overflow: str = "compact"  # what a session does at the window: "compact" (summarise) or "reset" (start anew)
     system_tokens: int = 3000  # shared system prompt (salted per run) at the head of every context
     fork_p: float = 0.0  # chance that a main-agent turn forks a group of sub-agents
     group_size: Quantiles = field(default_factory=lambda: Quantiles(7, 51, None, 1, 256))
@@ -101,6 +107,14 @@ class SessionModel:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 < self.compaction_ratio < 1:
             raise ValueError(f"compaction_ratio must be in (0, 1), got {self.compaction_ratio}")
+        if self.overflow not in ("compact", "reset"):
+            raise ValueError(f'overflow must be "compact" or "reset", got {self.overflow!r}')
+        room = _context_floor(self) + MIN_NEW_TOKENS + 1
+        if self.max_model_len is not None and self.max_model_len < room:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} cannot hold this profile's smallest turn ({room} tokens: the "
+                "system prompt, a task, one turn's growth and one output token); raise it or lower context_scale"
+            )
 
     @property
     def system(self) -> int:
@@ -123,6 +137,21 @@ def _max_context(model: SessionModel) -> int:
     return max(_context_floor(model) + MIN_NEW_TOKENS, round(model.max_context * model.context_scale))
 
 
+def _fit_window(model: SessionModel, output: np.ndarray, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each turn's output and its largest prompt: a prompt plus its max_tokens (the planned output) must fit the
+    window, so an output never leaves less than the smallest context room, and the prompt gets what it leaves."""
+    if model.max_model_len is None:
+        return output, np.full(len(output), max_ctx, dtype=np.int64)
+    room = model.max_model_len - _context_floor(model) - MIN_NEW_TOKENS
+    output = np.minimum(output, room)
+    return output, np.minimum(max_ctx, model.max_model_len - output)
+
+
+def _compacted(model: SessionModel, ctx: int, cap: int) -> int:
+    """The context after a compaction: a summary of `ctx`, never below the floor nor over this turn's cap."""
+    return min(cap, max(_context_floor(model), round(ctx * model.compaction_ratio)))
+
+
 def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s: float = 0.0) -> SessionPlan:
     """The main-agent session `index` of `agent`: its turns and its sub-agents, drawn from its own generator."""
     rng = np.random.default_rng([seed, 0, agent, index])
@@ -133,7 +162,8 @@ def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s
     growth = model.tokens(model.growth.sample(rng, n), MIN_NEW_TOKENS)
     output = model.tokens(model.output.sample(rng, n), 1)
     gaps = model.gap_s.sample(rng, n) * model.time_scale
-    starts = np.minimum(model.tokens(model.initial.sample(rng, n), floor), max_ctx)
+    output, caps = _fit_window(model, output, max_ctx)
+    starts = np.minimum(model.tokens(model.initial.sample(rng, n), floor), caps)
     resets = rng.random(n) < model.reset_p
     compactions = rng.random(n) < model.compaction_p
     forks = rng.random(n) < model.fork_p
@@ -147,24 +177,26 @@ def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s
     # generator plans on its event loop.
     fk_n = np.where(forks, groups, 0).tolist()
     growth_l, output_l, gaps_l, starts_l = growth.tolist(), output.tolist(), gaps.tolist(), starts.tolist()
-    resets_l, compactions_l = resets.tolist(), compactions.tolist()
+    resets_l, compactions_l, caps_l = resets.tolist(), compactions.tolist(), caps.tolist()
+    compact_at_window = model.overflow == "compact"
     turns: list[Turn] = []
     children: list[SessionPlan] = []
     ctx = starts_l[0]
     turns.append(Turn(sid, 0, None, False, ctx, ctx, output_l[0], float(start_s), forks=fk_n[0]))
-    ratio = model.compaction_ratio
     for t in range(1, n):
         reset = compaction = False
         nxt = ctx + output_l[t - 1] + growth_l[t]
-        if compactions_l[t]:
+        # The window binds where the profile's own cap does not: max_context keeps its reset.
+        overflow = nxt > caps_l[t] and nxt <= max_ctx
+        if compactions_l[t] or (overflow and compact_at_window):
             compaction = True
-            nxt = max(floor, round(ctx * ratio))
-        elif resets_l[t] or nxt > max_ctx:
+            nxt = _compacted(model, ctx, caps_l[t])
+        elif resets_l[t] or overflow or nxt > max_ctx:
             reset = True
             nxt = starts_l[t]
         new = nxt if (reset or compaction) else growth_l[t]
         ctx = nxt
-        turns.append(Turn(sid, t, None, False, ctx, new, output_l[t], gaps_l[t], reset, compaction, fk_n[t]))
+        turns.append(Turn(sid, t, None, False, ctx, new, output_l[t], gaps_l[t], reset, compaction, fk_n[t], overflow))
     for turn in turns:
         for k in range(turn.forks):
             children.append(_plan_subagent(model, seed, agent, index, turn, k))
@@ -179,7 +211,8 @@ def _plan_subagent(model: SessionModel, seed: int, agent: int, index: int, paren
     # A sub-agent starts from its parent's context at the fork turn (sharing its prefix) plus its own task text,
     # then appends like any agent; it never forks. It obeys the main sessions' cap: a turn that would exceed
     # max_context starts a new context (a reset), its first turn included (it then does not share its parent's
-    # prefix). Random resets and compactions are the main agent's only.
+    # prefix); one that would exceed the window compacts or resets as the main agent's would. Random resets and
+    # compactions are the main agent's only.
     rng = np.random.default_rng([seed, 1, agent, index, parent.turn_index, k])
     sid = f"{parent.session_id}/t{parent.turn_index}.{k}"
     n = int(model.subagent_turns.sample_int(rng, 1)[0])
@@ -189,19 +222,25 @@ def _plan_subagent(model: SessionModel, seed: int, agent: int, index: int, paren
     gaps = model.gap_s.sample(rng, n) * model.time_scale
     # Drawn last, so the draws above (and the plans of sub-agents that never hit the cap) are as before.
     max_ctx = _max_context(model)
-    starts = np.minimum(model.tokens(model.initial.sample(rng, n), _context_floor(model)), max_ctx)
-    ctx = parent.input_tokens + task
-    if ctx > max_ctx:
-        ctx = int(starts[0])
-        turns = [Turn(sid, 0, parent.session_id, True, ctx, ctx, int(output[0]), 0.0, reset=True)]
-    else:
-        turns = [Turn(sid, 0, parent.session_id, True, ctx, task, int(output[0]), 0.0)]
-    for t in range(1, n):
-        nxt = ctx + int(output[t - 1]) + int(growth[t])
-        reset = nxt > max_ctx
-        ctx = int(starts[t]) if reset else nxt
-        new = ctx if reset else int(growth[t])
-        turns.append(Turn(sid, t, parent.session_id, True, ctx, new, int(output[t]), float(gaps[t]), reset))
+    output, caps = _fit_window(model, output, max_ctx)
+    starts = np.minimum(model.tokens(model.initial.sample(rng, n), _context_floor(model)), caps)
+    compact_at_window = model.overflow == "compact"
+    turns: list[Turn] = []
+    ctx = 0
+    for t in range(n):
+        # `base` is what a compaction summarises: the parent's context and the task at the first turn.
+        base = parent.input_tokens + task if t == 0 else ctx
+        grown = base if t == 0 else ctx + int(output[t - 1]) + int(growth[t])
+        cap = int(caps[t])
+        overflow = cap < grown <= max_ctx
+        reset = grown > max_ctx or (overflow and not compact_at_window)
+        compaction = overflow and compact_at_window
+        ctx = int(starts[t]) if reset else _compacted(model, base, cap) if compaction else grown
+        new = ctx if (reset or compaction) else task if t == 0 else int(growth[t])
+        gap = 0.0 if t == 0 else float(gaps[t])
+        turns.append(
+            Turn(sid, t, parent.session_id, True, ctx, new, int(output[t]), gap, reset, compaction, 0, overflow)
+        )
     return SessionPlan(sid, agent, index, turns, parent.session_id, parent.turn_index)
 
 
