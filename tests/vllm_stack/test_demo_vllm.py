@@ -46,7 +46,10 @@ def test_demo_on_real_vllm_servers(tmp_path: Path) -> None:
     # keeps what it sends a pod within the KV the pod reports, so nothing is preempted.
     summary = json.loads((h5.parent / "summary.json").read_text())
     assert summary["preemptions"] == 0, summary
-    # Every request the decode server answered is a row (its access log, less the deployment's warm-up request).
+    # Every request the decode server answered is a row (its access log, less the deployment's warm-up request), once
+    # more for each whose KV pull failed (on a loaded machine a NIXL handshake can time out): the router retried those
+    # on the decode server without a transfer, and the rows above say they were then served in full.
     log = (h5.parent / "engines" / "decode-0.log").read_text(errors="replace")
     served = len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP/1\.1" 200', log)) - 1
-    assert len(client) == served, (len(client), served)
+    failed_pulls = sum(int(n) for n in re.findall(r"Failing (\d+) request\(s\) due to KV load failure", log))
+    assert len(client) + failed_pulls == served, (len(client), failed_pulls, served)
