@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +51,7 @@ from llmd.engines.vllm_server import (
     address_in_use,
     log_tail,
     move_taken_ports,
+    port_free,
     required_kv_sources,
     side_channel_ports,
     stop_process_group,
@@ -200,15 +200,6 @@ def _ports_of(spec: DeploymentSpec, role: str) -> list[int]:
     return ports
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((LOCALHOST, port))
-        except OSError:
-            return False
-    return True
-
-
 def with_free_ports(spec: DeploymentSpec, *, low: int = 20_000, high: int = 59_000, seed: int | None = None) -> Any:
     """The spec with each pool's base port moved to one whose whole band of ports is free now (racy, as any port
     probe is; the bands are spread at random so concurrent runs rarely meet)."""
@@ -220,7 +211,7 @@ def with_free_ports(spec: DeploymentSpec, *, low: int = 20_000, high: int = 59_0
             base = rng.randrange(low, high - DP_RPC_OFFSET - pool.ranks)
             trial = spec.model_copy(update={role: pool.model_copy(update={"port": base})})
             ports = _ports_of(trial, role)
-            if not taken.intersection(ports) and all(_free(p) for p in ports):
+            if not taken.intersection(ports) and all(port_free(LOCALHOST, p) for p in ports):
                 taken.update(ports)
                 update[role] = trial.pools[role]
                 break
