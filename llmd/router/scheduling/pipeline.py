@@ -175,6 +175,10 @@ class Scheduler:
         if self._primary is self.precise:
             in_use.append(self.precise)
         self._learners: tuple[Learner, ...] = tuple({id(s): s for s in in_use if isinstance(s, Learner)}.values())
+        # The learners that also guess what an endpoint holds until its KV events say so (called per hop end).
+        self._on_computed = tuple(
+            hook for hook in (getattr(x, "observe_computed", None) for x in self._learners) if hook is not None
+        )
         run = ["routable", *(("has-capacity", "kv-room") if t.capacity_filter else ())]
         if self.affinity > 0 and self.policy in _SCORING:
             run.append("prefix-affinity")
@@ -501,10 +505,8 @@ class Scheduler:
     def observe_computed(self, holder: Holder, block_hashes: Sequence[int], routed_at: float, now: float) -> None:
         """`holder` is done computing the prompt of a request routed to it at `routed_at` (the prefill hop ended, or
         the request did): learners that guess what it holds until its KV events say so stop guessing soon."""
-        for learner in self._learners:
-            computed = getattr(learner, "observe_computed", None)
-            if computed is not None:
-                computed(holder, block_hashes, routed_at, now)
+        for computed in self._on_computed:
+            computed(holder, block_hashes, routed_at, now)
 
     def forget_pod(self, pod: str) -> None:
         """A pod left the fleet (or restarted empty): drop what the router remembered about it."""

@@ -114,7 +114,7 @@ class SpeculativeIndex:
         expiry = now + self.settle_s
         if expiry >= mine:
             return
-        run = _run(d.get, tuple(block_hashes), mine, shared)
+        run = _run(d.get, block_hashes, mine, shared)
         if run:
             d.update(zip(run, repeat(expiry)))
             self._settled.append((expiry, holder, run))
@@ -222,11 +222,11 @@ def _leading(get: Callable[[int], float | None], hashes: Sequence[int], above: f
     return lo
 
 
-def _run(get: Callable[[int], float | None], hashes: tuple[int, ...], expiry: float, start: int = 0) -> tuple[int, ...]:
+def _run(get: Callable[[int], float | None], hashes: Sequence[int], expiry: float, start: int = 0) -> tuple[int, ...]:
     """The blocks of the chain `hashes` (from `start` on) whose expiry is `expiry`: a contiguous run (expiries never
     increase along a chain), after those a later insert refreshed and before those settled or gone."""
     lo = _leading(get, hashes, expiry, start)
-    return hashes[lo : _leading(get, hashes, math.nextafter(expiry, -math.inf), lo)]
+    return tuple(hashes[lo : _leading(get, hashes, math.nextafter(expiry, -math.inf), lo)])
 
 
 def _held_prefix(d: dict[int, float], block_hashes: Sequence[int], lo: int, now: float) -> int:
