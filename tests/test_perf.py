@@ -286,6 +286,11 @@ def test_kv_transfers() -> None:
     assert lm.cpu_restore_time(tokens) == pytest.approx(size / H100.pcie_bw)
     assert lm.cpu_offload_time(tokens) == pytest.approx(lm.cpu_restore_time(tokens))
     assert lm.kv_transfer_time(0, same_node=False) == 0.0
+    assert lm.kv_transfer_bytes(tokens) == size and lm.kv_transfer_bytes(0) == 0
+    # TP: each GPU moves the heads it holds (all of them once), or its own copy of an MLA latent.
+    m70 = MODELS["llama-3.1-70b"]
+    assert LatencyModel(H100, m70, Parallelism(tp=4)).kv_transfer_bytes(10) == 10 * m70.kv_bytes_per_token
+    assert LatencyModel(H100, GLM, Parallelism(tp=4)).kv_transfer_bytes(10) == 4 * 10 * GLM.kv_bytes_per_token
 
 
 # ---- capacity and the deployment spec -------------------------------------------------------------------------------

@@ -410,6 +410,11 @@ class LatencyModel:
             )
         return num_tokens * self.kv_bytes_per_token_gpu / (gpu.ib_bw * gpu.link_efficiency) + gpu.net_latency_s
 
+    def kv_transfer_bytes(self, num_tokens: int) -> float:
+        """Bytes a transfer of `num_tokens` moves in all: each of the rank's TP GPUs moves the KV it holds (the per-GPU
+        bytes kv_transfer_time prices, times TP; a KV head or MLA latent replicated over GPUs moves once per copy)."""
+        return max(num_tokens, 0) * self.kv_bytes_per_token_gpu * self.par.tp
+
     def cpu_restore_time(self, num_tokens: int) -> float:
         """Seconds to copy `num_tokens` of KV from the CPU DRAM tier back into HBM over the host link."""
         return max(num_tokens, 0) * self.kv_bytes_per_token_gpu / self.gpu.pcie_bw

@@ -396,7 +396,7 @@ class Fleet:
         if ok:
             t.pulls += 1
             t.tokens += tokens
-            t.bytes += tokens * puller.latency.kv_bytes_per_token_gpu
+            t.bytes += puller.latency.kv_transfer_bytes(tokens)
             t.seconds += seconds
         else:
             t.failed += 1

@@ -160,7 +160,6 @@ class RankRunner:
         *,
         publisher: KVEventPublisher | None = None,
         node: str = "localhost",
-        kv_bytes_per_token: float = 0.0,
         pull_timeout_s: float = 10.0,
     ) -> None:
         self.core = core
@@ -169,7 +168,6 @@ class RankRunner:
         self.metrics = metrics
         self.publisher = publisher
         self.node = node
-        self.kv_bytes_per_token = kv_bytes_per_token
         self.pull_timeout_s = pull_timeout_s
         self.rank = core.config.dp_rank
         self.engine_id = core.config.engine_id
@@ -426,7 +424,7 @@ class RankRunner:
             self.core.finish_pull(task.request_id, result.ok, result.num_tokens if result.ok else None)
         else:
             self.core.finish_pull(task.request_id, result.ok)
-        nbytes = int(result.num_tokens * self.kv_bytes_per_token)
+        nbytes = int(self.latency.kv_transfer_bytes(result.num_tokens))
         self.metrics.transfer(result.seconds, nbytes, result.num_blocks, result.ok)
         # The pulled blocks are cached now: publish their BlockStored without waiting for the next step.
         self._publish(self.core.take_events())

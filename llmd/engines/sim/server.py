@@ -111,7 +111,6 @@ class SimServer:
     async def start(self) -> SimServer:
         c = self.config
         tok = self.tokenizer
-        kv_bytes = self.latency.kv_bytes_per_token_gpu * max(c.engine.tp_size, 1)
         try:
             for rank in range(c.dp_size):
                 engine_id = self.engine_id if c.dp_size == 1 else f"{self.engine_id}_dp{rank}"
@@ -154,7 +153,6 @@ class SimServer:
                     self.metrics.rank(rank),
                     publisher=publisher,
                     node=c.node,
-                    kv_bytes_per_token=kv_bytes,
                     pull_timeout_s=c.pull_timeout_s,
                 )
                 if side is not None:
