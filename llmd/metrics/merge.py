@@ -11,7 +11,15 @@ from pathlib import Path
 import h5py
 
 from llmd.metrics.reader import READ_ERRORS, open_metrics, reading, unreadable
-from llmd.metrics.schema import NAME_BYTES, REQUEST_DTYPE, SCHEMA_VERSION, TIMESERIES_DTYPE, encode_str
+from llmd.metrics.schema import (
+    NAME_BYTES,
+    REQUEST_DTYPE,
+    SCHEMA_VERSION,
+    TIMESERIES_DTYPE,
+    encode_str,
+    older_schema,
+    upgrade,
+)
 from llmd.metrics.writer import COMPRESSION, REQUEST_CHUNK_ROWS, TIMESERIES_CHUNK_ROWS, run_attrs
 from llmd.spec.redact import redact_spec_text
 
@@ -46,7 +54,7 @@ def _copy_table(
         n = src.shape[0]
     for lo in range(0, n, _BLOCK_ROWS):
         with _reads_of(path):
-            block = src[lo : min(n, lo + _BLOCK_ROWS)]
+            block = upgrade(src[lo : min(n, lo + _BLOCK_ROWS)], dst.dtype)
         if shift_s:
             block[time_field] += shift_s
         if old_name != new_name:
@@ -172,7 +180,9 @@ def _write_merged(target: Path, metas: list[tuple[Path, dict[str, object], str]]
                         dtype = None if src is None else src.dtype
                     if src is None:
                         continue
-                    if dtype != dst.dtype:
+                    # A file of an earlier schema version (a run from before a column was added) merges with its
+                    # new columns unknown; anything else is not this schema.
+                    if dtype is None or not older_schema(dtype, dst.dtype):
                         raise ValueError(f"{path}:/{name} has dtype {dtype}, expected schema {dst.dtype}")
                     _copy_table(src, dst, tf, shift, old_b, new_b, f.swmr_mode, path)
                 with _reads_of(path):

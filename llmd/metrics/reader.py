@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from llmd.errors import UserError
-from llmd.metrics.schema import REQUEST_DTYPE, TIMESERIES_DTYPE, decode_columns
+from llmd.metrics.schema import REQUEST_DTYPE, TIMESERIES_DTYPE, decode_columns, older_schema, upgrade
 from llmd.spec.redact import redact_spec_text
 
 # A SWMR reader retries a metadata read whose checksum fails, in case it raced the writer, sleeping twice as long each
@@ -141,14 +141,18 @@ def reading(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
 
 
 def _read_table(f: h5py.File, name: str, dtype: np.dtype) -> np.ndarray:
+    """The table; one of an earlier schema version (a file from before a column was added) as this one's, with the
+    columns it lacks unknown, so readers of old runs see the same columns."""
     if name not in f:
         return np.empty(0, dtype=dtype)
     ds = f[name]
     if f.swmr_mode:
         ds.refresh()  # pick up rows the writer flushed since the file was opened
         rows = _intact_rows(ds, os.path.getsize(f.filename))
-        return ds[:rows] if rows else np.empty(0, dtype=ds.dtype)
-    return ds[()] if ds.shape[0] else np.empty(0, dtype=ds.dtype)
+        arr = ds[:rows] if rows else np.empty(0, dtype=ds.dtype)
+    else:
+        arr = ds[()] if ds.shape[0] else np.empty(0, dtype=ds.dtype)
+    return upgrade(arr, dtype) if older_schema(arr.dtype, dtype) else arr
 
 
 def _intact_rows(ds: h5py.Dataset, file_size: int) -> int:

@@ -27,7 +27,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: router columns (expected_hit_tokens, route_reason; inflight, rejected, kv_transfers)
+# 2: router columns (expected_hit_tokens, route_reason; inflight, rejected, kv_transfers)
+# 3: the router's per-request KV transfer (kv_transfer_tokens, kv_transfer_bytes, kv_transfer_s)
+SCHEMA_VERSION = 3
 
 NAME_BYTES = 64
 ERROR_BYTES = 256
@@ -67,6 +69,27 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("source", f"S{NAME_BYTES}", b"", "producer that wrote the row (the writer fills it when empty)"),
     Column("expected_hit_tokens", "<i4", -1, "router: prompt tokens it expected cached at the chosen pod"),
     Column("route_reason", f"S{PD_PATH_BYTES}", b"", "router: why it chose the pod (prefix-hit, load, cold, ...)"),
+    # The KV the serving pod took from another engine instead of computing it: under P/D (and P2P through the holder
+    # as a prefill pod) the prompt less what the serving pod held in GPU KV (its CPU tier is not read for a pulled
+    # request: the NIXL connector claims it); under P2P by hash the holder's prefix less that. 0 when the request
+    # took no transfer (decode-only, a failed prefill hop, a retry). The live router records what it planned at
+    # routing time (its KV index's view); the cluster simulator what its modelled pull moved.
+    Column("kv_transfer_tokens", "<i4", -1, "router: KV tokens the serving pod pulled from another engine (0: none)"),
+    Column(
+        "kv_transfer_bytes",
+        "<i8",
+        -1,
+        "router: those tokens' KV bytes over the serving pool's TP GPUs (LatencyModel.kv_transfer_bytes); -1 when "
+        "the model's KV geometry is unknown",
+    ),
+    Column(
+        "kv_transfer_s",
+        "<f8",
+        np.nan,
+        "router: the handoff's seconds; simulator: the modelled pull (link + per-transfer overhead); live router: "
+        "from sending the serving pod its leg to its first token (the pull plus that pod's queue and first step, an "
+        "upper bound), NaN when not streamed; 0 without a transfer",
+    ),
 )
 
 TIMESERIES_COLUMNS: tuple[Column, ...] = (
@@ -113,6 +136,23 @@ def empty_rows(dtype: np.dtype, n: int) -> np.ndarray:
     out = np.empty(n, dtype=dtype)
     for c in columns:
         out[c.name] = c.fill
+    return out
+
+
+def older_schema(dtype: np.dtype, schema: np.dtype) -> bool:
+    """Whether `dtype` is an earlier version of `schema`'s table: some of its columns, each of the same type."""
+    names = dtype.names
+    fields = schema.fields or {}
+    return bool(names) and all(n in fields and dtype[n] == schema[n] for n in names)
+
+
+def upgrade(rows: np.ndarray, schema: np.dtype) -> np.ndarray:
+    """Rows of an earlier schema version (older_schema) as `schema`'s, the columns it lacked at their fill values."""
+    if rows.dtype == schema:
+        return rows
+    out = empty_rows(schema, len(rows))
+    for name in rows.dtype.names or ():
+        out[name] = rows[name]
     return out
 
 
