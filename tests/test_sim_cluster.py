@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llmd.cli import main
@@ -98,6 +99,30 @@ def test_simulated_run_writes_the_live_schema(demo_run) -> None:
     s = summarize_frames(df, ts, label="sim")
     assert s.requests == stats.requests and s.preemptions == 0
     assert s.ttft_p90_s == pytest.approx(stats.ttft_p90_s, rel=0.05)
+
+
+def test_router_rows_carry_the_kv_transfers_the_simulator_modelled(tmp_path: Path) -> None:
+    """Each P/D request's row holds the pull its decode engine made, as the fleet modelled it: tokens, their bytes
+    (tokens x the decode pool's KV bytes per token), the link time plus NIXL's overhead; a decode-only one zeros."""
+    spec = embedded_spec(4.0)
+    spec = spec.model_copy(update={"router": spec.router.model_copy(update={"pd_threshold": 600})})
+    sim = Simulation(spec, out_dir=tmp_path / "run", run_id="x")
+    sim.run()
+    df = read_requests(tmp_path / "run" / "metrics.h5")
+    router = df[df.source == "router"]
+    pd_rows, local = router[router.pd_path == "pd"], router[router.pd_path == "decode-only"]
+    assert len(pd_rows) > 10 and len(local) > 10
+    tokens = pd_rows["kv_transfer_tokens"]
+    assert (tokens >= spec.router.pd_threshold).all() and (tokens <= pd_rows["input_tokens"]).all()
+    assert tokens.sum() == sim.fleet.transfers.tokens  # every pull the fleet made is one request's
+    lat = next(r.latency for r in sim.fleet.ranks if r.pod.info.role == "decode")
+    assert (pd_rows["kv_transfer_bytes"] == tokens * lat.kv_bytes_per_token_gpu * lat.par.tp).all()
+    link = [lat.kv_transfer_time(t, same_node=False) for t in tokens]  # prefill and decode pods share no node
+    expected = sim.params.transfer_overhead_s + sim.fleet.time_scale * np.array(link)
+    assert pd_rows["kv_transfer_s"].to_numpy() == pytest.approx(expected, rel=1e-9)
+    assert (local["kv_transfer_tokens"] == 0).all() and (local["kv_transfer_bytes"] == 0).all()
+    assert (local["kv_transfer_s"] == 0).all()
+    assert not sim.router._pulling  # no call is kept waiting for a pull after its end
 
 
 def test_same_seed_same_run_and_policies_differ_only_by_their_decisions() -> None:

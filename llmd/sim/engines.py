@@ -314,6 +314,8 @@ class Fleet:
         self.by_holder: dict[tuple[str, int], SimRank] = {}
         self.by_engine_id: dict[str, SimRank] = {}
         self.transfers = TransferStats()
+        # Each pull as it ends: (engine request id, ok, tokens, bytes, seconds), for the router's per-request rows.
+        self.on_pull: Callable[[str, bool, int, float, float], None] | None = None
         # Decode fast-forward (decode_run.py): stretches of decode-only steps planned at once.
         self.fast_forward = True
         # Simulated engines run at engine.time_scale wall seconds per model second; the loop keeps wall seconds, so
@@ -393,13 +395,16 @@ class Fleet:
         else:
             t.p2p += 1
             puller.core.finish_pull(task.request_id, ok, tokens if ok else None)
+        nbytes = puller.latency.kv_transfer_bytes(tokens) if ok else 0.0
         if ok:
             t.pulls += 1
             t.tokens += tokens
-            t.bytes += puller.latency.kv_transfer_bytes(tokens)
+            t.bytes += nbytes
             t.seconds += seconds
         else:
             t.failed += 1
+        if self.on_pull is not None:
+            self.on_pull(task.request_id, ok, tokens, nbytes, seconds)
         puller.publish_pending()
         puller.kick()
 

@@ -73,6 +73,9 @@ def router_row(call: Call) -> dict[str, Any]:
         row["pd_path"] = call.pd_path
         row["expected_hit_tokens"] = call.expected_hit_tokens
         row["route_reason"] = call.route_reason
+        row["kv_transfer_tokens"] = call.kv_transfer_tokens
+        row["kv_transfer_bytes"] = call.kv_transfer_bytes
+        row["kv_transfer_s"] = call.kv_transfer_s
     if call.first_token is not None:
         row["ttft_s"] = call.first_token - call.received
     if call.error:

@@ -59,6 +59,11 @@ class Call:
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     route_reason: str = ""
+    # The KV its serving engine pulled (P/D handoff, P2P pull), as the fleet modelled it; zeros without one.
+    kv_transfer_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0
+    pull_id: str = ""  # the engine request of the attempt that pulls KV, while its pull may still come
 
 
 class SimRouter:
@@ -102,6 +107,8 @@ class SimRouter:
         self._armed: float | None = None
         self.finished: list[Call] = []  # the router's rows, taken by the recorder
         self.p2p_lookups = 0
+        self._pulling: dict[str, Call] = {}  # engine request id -> its call, for legs sent with KV to pull
+        fleet.on_pull = self._pulled
 
     # ---- KV events into the index ---------------------------------------------------------------------------------
     def on_events(self, rank: SimRank, events: list) -> None:
@@ -182,6 +189,8 @@ class SimRouter:
         call.expected_hit_tokens = d.expected_hit_tokens
         call.gpu_hit_tokens, call.cpu_hit_tokens = d.gpu_hit_tokens, d.cpu_hit_tokens
         call.route_reason = d.reason
+        call.kv_transfer_tokens, call.kv_transfer_bytes, call.kv_transfer_s = 0, 0, 0.0  # this attempt's, if any
+        self._pulling.pop(call.pull_id, None)
         plan = self.core.hop_plan(job)
         if plan.prefill is not None:
             rank = self.fleet.by_holder[(plan.prefill.name, plan.prefill_rank)]
@@ -257,8 +266,17 @@ class SimRouter:
         assert flight is not None
         rank = self.fleet.by_holder[(flight.target.name, flight.rank)]
         req = self._engine_request(job, f"{call.request_id}/{job.attempts}", call.max_tokens, kv)
+        if kv is not None:
+            call.pull_id = req.request_id
+            self._pulling[req.request_id] = call
         record = None if self._stream else lambda times, n: _record_run(job.handle, times, n, self.params.hop_s)
         self._to_engine(rank, req, job, lambda out, t: self._decode_out(job, out, t), record)
+
+    def _pulled(self, request_id: str, ok: bool, tokens: int, nbytes: float, seconds: float) -> None:
+        """A serving engine's pull ended: what it moved is the request's transfer (a failed one moved nothing)."""
+        call = self._pulling.pop(request_id, None)
+        if call is not None and ok:
+            call.kv_transfer_tokens, call.kv_transfer_bytes, call.kv_transfer_s = tokens, round(nbytes), seconds
 
     def _decode_out(self, job: Job, out: RequestOutput, t: float) -> None:
         if out.finished or self._stream:
@@ -291,6 +309,7 @@ class SimRouter:
             self._end(call, 200, "")
 
     def _end(self, call: Call, status: int, error: str) -> None:
+        self._pulling.pop(call.pull_id, None)  # a leg whose engine had the whole prompt pulls nothing
         call.status = status
         call.error = error
         call.done_time = self.loop.now
