@@ -20,7 +20,7 @@ from llmd.router.admission import QueueFull, Rate, WaitQueue, retry_after
 from llmd.router.fleet import Fleet, RequestColumns
 from llmd.router.ledger import NO_KV, Flight, KVKey, Ledger, Load
 from llmd.router.pods import Pod
-from llmd.router.scheduling import Endpoint, NoEndpointError, RouteRequest, Scheduler, Snapshot
+from llmd.router.scheduling import Decision, Endpoint, NoEndpointError, RouteRequest, Scheduler, Snapshot
 from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
 
@@ -55,6 +55,9 @@ class HopPlan:
     kv_params: the target's kv_transfer_params for a P2P pull by hash from `source`.
     p2p_outcome: how a P2P choice turned out ("sent", or why none was made: "source_gone", "unknown_engine_id",
     "no_side_channel"); "" when the decision had no P2P, or it goes through `prefill`.
+    transfer_tokens: prompt tokens of KV the target is to pull, as the decision expects: what it does not hold in GPU
+    KV of what the other side will have (after a prefill hop the whole prompt; by hash the holder's prefix). Its CPU
+    tier counts as not held: the engine's NIXL connector claims a pulled request, so that tier is not read for it.
     """
 
     prefill: Pod | None = None
@@ -63,6 +66,7 @@ class HopPlan:
     kv_params: dict[str, Any] | None = None
     source: str = ""
     p2p_outcome: str = ""
+    transfer_tokens: int = 0
 
 
 NO_HOPS = HopPlan()
@@ -360,8 +364,9 @@ class RouterCore:
         if job.no_kv_transfer:
             return NO_HOPS
         d = flight.decision
+        prompt = job.req.num_tokens
         if d.pd is not None and flight.prefill is not None:
-            return HopPlan(flight.prefill, flight.prefill_rank, "pd")
+            return HopPlan(flight.prefill, flight.prefill_rank, "pd", transfer_tokens=_beyond(prompt, d))
         src_ep = d.p2p_source
         if src_ep is None:
             return NO_HOPS
@@ -369,7 +374,7 @@ class RouterCore:
         if src is None:
             return HopPlan(p2p_outcome="source_gone")
         if self.p2p_mode == "two-hop":
-            return HopPlan(src, src_ep.dp_rank, "p2p", source=src.name)
+            return HopPlan(src, src_ep.dp_rank, "p2p", source=src.name, transfer_tokens=_beyond(prompt, d))
         eid = src.engine_id_of(src_ep.dp_rank)
         side = src.side_channel_of(src_ep.dp_rank)
         if eid is None or side is None:
@@ -377,7 +382,8 @@ class RouterCore:
             return HopPlan(p2p_outcome="unknown_engine_id" if eid is None else "no_side_channel")
         tokens = d.gpu_hit_tokens + d.cpu_hit_tokens + d.p2p_tokens
         params = hops.p2p_params(eid, side[0], side[1], tokens)
-        return HopPlan(kv_params=params, source=src.name, p2p_outcome="sent")
+        pulled = _beyond(min(tokens, prompt) if prompt > 0 else tokens, d)
+        return HopPlan(kv_params=params, source=src.name, p2p_outcome="sent", transfer_tokens=pulled)
 
     def prefill_done(
         self, flight: Flight, plan: HopPlan, kv_params: dict[str, Any] | None, unreachable: bool, now: float
@@ -439,6 +445,11 @@ class RouterCore:
         self.ledger.give(ld, tokens, kv)
         self._done.tick(now)
         return self.pump(now) if self.queue.waiting else []
+
+
+def _beyond(tokens: int, d: Decision) -> int:
+    """Of the first `tokens` prompt tokens, those the decision's target does not hold in GPU KV."""
+    return max(0, tokens - d.gpu_hit_tokens)
 
 
 __all__ = ["NO_HOPS", "Flight", "HopPlan", "Job", "NoEndpointError", "Outcome", "QueueFull", "RouterCore"]

@@ -149,6 +149,8 @@ class Router:
         self._pump_timer: asyncio.Handle | None = None
         self._pump_at = 0.0  # when _pump_timer fires
         self.recorder: RouterRecorder | None = None
+        # The bytes of a KV transfer, from the decode pool's model geometry when the router has its latency model.
+        self._kv_bytes: Callable[[int], float] | None = getattr(c.latency, "kv_transfer_bytes", None)
         self.registry.on_up.append(self._pod_up)
         self.registry.on_down.append(self._pod_down)
         self.registry.on_change.append(self._pump)
@@ -406,7 +408,8 @@ class Router:
         if rec is not None:
             ctx: RequestCtx | None = request.get(_CTX_KEY)
             session = request.headers.get(SESSION_HEADER)
-            row, gpu, cpu = recorder_row(ctx, session, rec.since_start(t0), t0, time.monotonic(), status, error)
+            now = time.monotonic()
+            row, gpu, cpu = recorder_row(ctx, session, rec.since_start(t0), t0, now, status, error, self._kv_bytes)
             rec.request(row, gpu, cpu)
 
     async def _generate_one(self, request: web.Request, kind: Kind, t0: float) -> web.StreamResponse:
@@ -536,6 +539,7 @@ class Router:
             out_headers["x-llmd-pd-reason"] = pd_reason
         payload = ctx.raw  # forwarded untouched unless a hop adds kv_transfer_params
         plan = self.core.hop_plan(ctx.job)
+        ctx.transfer_tokens = 0
         if plan.prefill is not None:
             payload = await self._prefill(ctx, flight, plan, out_headers)
         elif plan.p2p_outcome:
@@ -543,6 +547,7 @@ class Router:
             if plan.kv_params is not None:
                 out_headers["x-llmd-p2p-source"] = plan.source
                 payload = json_encode(hops.with_kv_params(ctx.body, plan.kv_params))
+                ctx.transfer_tokens = plan.transfer_tokens
         headers = self._upstream_headers(ctx, target, flight.rank)
         return await self.upstream.forward(request, ctx, target, payload, headers, out_headers)
 
@@ -567,6 +572,7 @@ class Router:
             return ctx.raw
         self._settle(out.admitted)
         counter.labels("ok").inc()
+        ctx.transfer_tokens = plan.transfer_tokens
         if why == "pd":
             out_headers["x-llmd-prefill-pod"] = pre.name
             out_headers["x-llmd-pd"] = "ok"

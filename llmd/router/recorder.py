@@ -4,7 +4,10 @@ totals (source "router") and its view of each pod (source "router/<pod>"), in ll
 A request row as the router sees it: send_time = when the router received it, ttft_s = until the first response byte
 passed on, e2e_s = until the response ended, input_tokens = the router's own count (its tokenization; under the
 approximate policy an estimate from characters), expected_hit_tokens and route_reason from the scheduling decision,
-session from X-Session-Id or the body's `user` ("" when neither).
+session from X-Session-Id or the body's `user` ("" when neither). The KV transfer: kv_transfer_tokens as the hop plan
+expected it (llmd.router.core.HopPlan.transfer_tokens; 0 when the last attempt carried none), kv_transfer_bytes from
+the decode pool's model geometry (-1 without a latency model), kv_transfer_s the serving leg's seconds from being sent
+to its first output, which hold the pull and that pod's wait and first step (NaN when the response was not streamed).
 
 Request rows are buffered on the event loop and written in one batch per second, so the request path pays for a
 dict, not for an HDF5 append.

@@ -6,7 +6,8 @@ The body is parsed once (msgspec); a prompt no engine could take is answered 400
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,6 +79,10 @@ class RequestCtx:
     first_byte: float = 0.0
     error: str = ""
     text_chars: int = 0  # approximate: the prompt's characters, until the engine's prompt_tokens calibrate with them
+    # The last attempt's KV transfer: tokens the serving pod was sent to pull (0: none), and its leg's seconds from
+    # being sent to its first output (streamed responses only: an unstreamed body's first byte is its last).
+    transfer_tokens: int = 0
+    serving_first_s: float = math.nan
 
 
 def check_content_type(content_type: str | None) -> None:
@@ -196,10 +201,18 @@ def check_key(request: web.Request, key: str) -> None:
 
 
 def recorder_row(
-    ctx: RequestCtx | None, session: str | None, send_time: float, t0: float, now: float, status: int, error: str
+    ctx: RequestCtx | None,
+    session: str | None,
+    send_time: float,
+    t0: float,
+    now: float,
+    status: int,
+    error: str,
+    kv_bytes: Callable[[int], float] | None = None,
 ) -> tuple[dict[str, Any], int, int]:
     """The router recorder's row for a finished request (any status), and the chosen pod's predicted GPU and CPU hit
-    tokens; `session`: the request's session header."""
+    tokens; `session`: the request's session header; `kv_bytes`: the serving pool's KV bytes of so many tokens
+    (LatencyModel.kv_transfer_bytes; None: the model's geometry is unknown)."""
     row: dict[str, Any] = {"send_time": send_time, "e2e_s": now - t0, "status": status}
     gpu = cpu = 0
     if ctx is not None:
@@ -221,6 +234,15 @@ def recorder_row(
             row["expected_hit_tokens"] = d.expected_hit_tokens
             row["route_reason"] = d.reason
             gpu, cpu = d.gpu_hit_tokens, d.cpu_hit_tokens
+            tokens = ctx.transfer_tokens
+            row["kv_transfer_tokens"] = tokens
+            if not tokens:
+                row["kv_transfer_bytes"], row["kv_transfer_s"] = 0, 0.0
+            else:
+                if kv_bytes is not None:
+                    row["kv_transfer_bytes"] = round(kv_bytes(tokens))
+                # What the router can see of the handoff: the serving leg until its first output, the pull within.
+                row["kv_transfer_s"] = ctx.serving_first_s
     if error:
         row["error"] = error
     return row, gpu, cpu

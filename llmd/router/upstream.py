@@ -335,7 +335,7 @@ class Upstream:
                 # client, so another attempt (without KV transfer) can still serve it.
                 raise Retry("stream_error", pod.name, pod_down=False)
             ctx.first_byte = time.monotonic()
-            dt = ctx.first_byte - t0
+            dt = ctx.serving_first_s = ctx.first_byte - t0
             self.metrics.first_byte_time.observe(dt)
             out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
             resp = web.StreamResponse(status=200, headers=_response_headers(up, out_headers))
