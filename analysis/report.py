@@ -28,6 +28,7 @@ from analysis.spec import cost_block
 from analysis.style import NoData, save
 from analysis.summary import summarize
 from analysis.sweeps import Sweep
+from analysis.transfers import MIB
 
 POLICY, CONCURRENCY = "router.policy", "workload.concurrency"
 
@@ -125,7 +126,7 @@ def write_report(
 def _draw_run(rep: Report, run: Run, title: str, d: Path) -> None:
     router, engines = run.series("router"), run.series("engines")
     rep.draw(f"{run.label}: time series", d / "timeseries.png", lambda: rf.timeseries(router, engines, title))
-    rep.draw(f"{run.label}: KV transfers", d / "transfers.png", lambda: rf.transfers(run.client, engines))
+    rep.draw(f"{run.label}: KV transfers", d / "transfers.png", lambda: rf.transfers(run.client, engines, run.router))
     rep.draw(f"{run.label}: fabric bandwidth", d / "fabric.png", lambda: rf.fabric_heatmap(run.fabric))
 
 
@@ -171,7 +172,14 @@ HIT_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("preemptions", "preemptions", 1, 0),
     ("errors", "errors", 1, 0),
     ("rejected", "rejected", 1, 0),
-    ("KV transfers", "kv_transfers", 1, 0),
+)
+TRANSFER_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
+    ("engines' transfers", "kv_transfers", 1, 0),
+    ("requests with one", "kv_transfer_requests", 1, 0),
+    ("MiB mean", "kv_transfer_bytes_mean", 1 / MIB, 1),
+    ("MiB p90", "kv_transfer_bytes_p90", 1 / MIB, 1),
+    ("time mean (ms)", "kv_transfer_s_mean", 1e3, 2),
+    ("time p90 (ms)", "kv_transfer_s_p90", 1e3, 2),
 )
 
 
@@ -214,6 +222,16 @@ def markdown(
         "*engines' GPU hit*: the engines' own prefix-cache counters (per engine request: a P/D request counts on "
         "both engines). *cached (reported)*: prompt tokens the serving engine did not compute, as it reported them "
         "(KV handed over by a P/D prefill counts as cached there).",
+        "",
+        "## KV transfers",
+        "",
+        _numbers(table, TRANSFER_COLUMNS, params),
+        "",
+        "*engines' transfers*: P/D handoffs and P2P pulls the engines completed. The rest from the router's rows, "
+        "per request whose serving pod pulled KV: its size (the tokens it did not hold in GPU KV, times the model's "
+        "KV bytes per token) and time. A simulated run's time is the modelled pull (link time plus NIXL's overhead); "
+        "a live run's is the serving leg's time to its first output, which holds the pull, that pod's wait and its "
+        "first step (streamed responses only). `-` where the run's files predate these columns.",
         "",
         "## Cost",
         "",

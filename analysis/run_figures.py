@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.runs import Fabric
-from analysis.style import WIDE, colors, log_if_spans, plt, require, save, thousands
+from analysis.style import WIDE, colors, log_if_spans, plt, require, save, spans_decades, thousands
+from analysis.transfers import sizes_mib, transfer_rows
 from llmd.report.summary import client_rows, failed, hit_share_per_turn, throughput_series
 
 DEMO_FIGURES = ("ttft_cdf.png", "throughput.png", "cache_hit_per_turn.png")
@@ -153,19 +154,64 @@ def _xy(s: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     return s.index.to_numpy(dtype=float), s.to_numpy(dtype=float)
 
 
-def transfers(client: pd.DataFrame, engines: pd.DataFrame) -> Any:
+def transfers(client: pd.DataFrame, engines: pd.DataFrame, router: pd.DataFrame | None = None) -> Any:
     """KV handed between engines: transfers completed per second (P/D handoffs and P2P pulls, the engines' count),
-    and the prompt size of each request that took the P/D or P2P path (the most KV its handoff can carry)."""
+    and each request's transfer from the router's rows: its size (MiB, or tokens where the model's geometry was
+    unknown) and its time against its size. A run whose router rows predate those columns (or that has none) shows
+    the prompt size of each request that took the P/D or P2P path instead: the most its handoff could carry."""
+    rows = transfer_rows(router) if router is not None else None
+    if rows is None:
+        return _prompt_sizes(client, engines)
+    per_s = _by_second(engines, "kv_transfers") if len(engines) else pd.Series(dtype=float)
+    require(len(rows) > 0 or float(per_s.sum()) > 0, "no KV transfer")
+    fig, (ax_t, ax_s, ax_x) = plt().subplots(1, 3, figsize=(15, 4.5))
+    _per_second(ax_t, per_s)
+    mib = sizes_mib(rows)
+    size = mib if mib is not None else rows["kv_transfer_tokens"].to_numpy(dtype=float)
+    unit = "MiB" if mib is not None else "tokens"
+    seconds = rows["kv_transfer_s"].to_numpy(dtype=float)
+    timed = np.isfinite(seconds) & (seconds > 0)
+    log_size = spans_decades(size)
+    bins = np.geomspace(size.min(), size.max() * 1.001, 30) if log_size else 30
+    for i, path in enumerate(sorted(rows["pd_path"].astype(str).unique())):
+        mine = (rows["pd_path"] == path).to_numpy()
+        color = f"C{i + 1}"
+        ax_s.hist(size[mine], bins=bins, alpha=0.6, label=f"{path} ({mine.sum():,} requests)", color=color)
+        ax_x.scatter(size[mine & timed], seconds[mine & timed], s=8, alpha=0.6, label=path, color=color)
+    for ax in (ax_s, ax_x):
+        if log_size:
+            ax.set_xscale("log")
+        ax.set_xlabel(f"KV per transfer ({unit}, log)" if log_size else f"KV per transfer ({unit})")
+    ax_s.set_ylabel("requests")
+    ax_s.set_title("Size of each transfer")
+    ax_x.set_title("Time of each transfer against its size")
+    log_t = log_if_spans(ax_x, seconds[timed], axis="y")
+    ax_x.set_ylabel("handoff time (s, log)" if log_t else "handoff time (s)")
+    if timed.any():
+        ax_s.legend()
+        ax_x.legend()
+    elif len(rows):
+        ax_s.legend()
+        ax_x.text(0.5, 0.5, "no transfer time recorded\n(responses not streamed)", ha="center", va="center",
+                  transform=ax_x.transAxes)  # fmt: skip
+    return fig
+
+
+def _per_second(ax: Any, per_s: pd.Series) -> None:
+    if len(per_s):
+        ax.plot(per_s.index, per_s.to_numpy(), color="C0")
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("KV transfers completed per second")
+    ax.set_title("KV transfers over time (all engines)")
+
+
+def _prompt_sizes(client: pd.DataFrame, engines: pd.DataFrame) -> Any:
     ok = _ok(client) if len(client) else client
     moved = ok[ok["pd_path"].isin(["pd", "p2p"])] if len(ok) else ok
     per_s = _by_second(engines, "kv_transfers") if len(engines) else pd.Series(dtype=float)
     require(len(moved) > 0 or float(per_s.sum()) > 0, "no P/D or P2P request and no KV transfer")
     fig, (ax_t, ax_s) = plt().subplots(1, 2, figsize=(11, 4.5))
-    if len(per_s):
-        ax_t.plot(per_s.index, per_s.to_numpy(), color="C0")
-    ax_t.set_xlabel("time since start (s)")
-    ax_t.set_ylabel("KV transfers completed per second")
-    ax_t.set_title("KV transfers over time (all engines)")
+    _per_second(ax_t, per_s)
     if len(moved):
         for i, (path, rows) in enumerate(moved.groupby("pd_path")):
             tokens = rows["input_tokens"].to_numpy(dtype=float)

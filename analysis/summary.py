@@ -1,6 +1,6 @@
 """A run's numbers for a paper's table: throughput, latency quantiles, where prompt tokens came from, preemptions,
-errors and KV transfers. The headline numbers (token and request counts, duration, errors) are llmd.report's, so the
-demo's table and this one never disagree.
+errors and KV transfers (their count, size and time). The headline numbers (token and request counts, duration,
+errors) are llmd.report's, so the demo's table and this one never disagree.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis import transfers
 from analysis.hits import decompose
 from analysis.runs import Run
 from llmd.report.summary import failed, summarize_frames
@@ -49,6 +50,14 @@ class Summary:
     cached_share: float  # cached / prompt tokens the serving engines reported (includes KV handed over by P/D)
     preemptions: int | None
     kv_transfers: int | None  # KV transfers (P/D handoffs and P2P pulls) the engines completed
+    # Per request, from the router's rows (analysis.transfers): how many pulled KV (None: the run's files predate the
+    # columns), bytes and seconds per transfer (the simulator's modelled pull; live, the serving leg until its first
+    # output, the pull within)
+    kv_transfer_requests: int | None
+    kv_transfer_bytes_mean: float
+    kv_transfer_bytes_p90: float
+    kv_transfer_s_mean: float
+    kv_transfer_s_p90: float
     rejected: int | None  # refused by the router with 429
     pd_paths: dict[str, int]  # requests per path: decode-only, pd, pd-fallback, p2p
 
@@ -130,6 +139,7 @@ def summarize(run: Run) -> Summary:
         cached_share=math.nan if base.hit_share is None else base.hit_share,
         preemptions=base.preemptions,
         kv_transfers=_count(engines, "kv_transfers"),
+        **transfers.numbers(run.router),  # type: ignore[arg-type]
         rejected=_count(run.series("router"), "rejected"),
         pd_paths={str(k): int(v) for k, v in paths.items() if k},
     )

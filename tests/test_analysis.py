@@ -78,6 +78,52 @@ def test_a_runs_numbers(sweep_dir: Path) -> None:
     assert all(0 <= p <= 1 for p in parts) and sum(parts) == pytest.approx(1.0)
     assert s.kv_transfers and s.pd_paths.get("pd", 0) > 0
     assert s.tokens_per_s_per_user > 0 and s.output_tokens_per_s_per_gpu > 0
+    # Each transfer from the router's rows: one per request that took the P/D path, with its modelled size and time.
+    router = run.router
+    pulled = router[router["kv_transfer_tokens"] > 0]
+    assert s.kv_transfer_requests == len(pulled) == (router["pd_path"] == "pd").sum() > 0
+    assert s.kv_transfer_bytes_mean == pytest.approx(pulled["kv_transfer_bytes"].mean())
+    assert 0 < s.kv_transfer_bytes_mean <= s.kv_transfer_bytes_p90 * 2
+    assert s.kv_transfer_s_p90 == pytest.approx(np.percentile(pulled["kv_transfer_s"], 90)) and s.kv_transfer_s_mean > 0
+
+
+def test_the_transfers_figure_shows_each_transfers_size_and_time(sweep_dir: Path) -> None:
+    run = load_sweep(sweep_dir).points[1]
+    fig = rf.transfers(run.client, run.series("engines"), run.router)
+    _per_s, size, vs = fig.axes
+    pulled = run.router[run.router["kv_transfer_tokens"] > 0]
+    assert size.get_xlabel().startswith("KV per transfer (MiB")
+    assert sum(p.get_height() for p in size.patches) == len(pulled)  # one histogram count per transfer
+    points = np.concatenate([c.get_offsets() for c in vs.collections])
+    assert len(points) == len(pulled)
+    got = sorted(map(tuple, points.tolist()))
+    want = sorted(zip(pulled["kv_transfer_bytes"] / 2**20, pulled["kv_transfer_s"], strict=True))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-9)
+    # Without the router's rows, today's view: the prompt size of each P/D request.
+    assert rf.transfers(run.client, run.series("engines")).axes[1].get_xlabel().startswith("prompt tokens")
+
+
+def test_a_run_from_before_the_transfer_columns_still_analyses(tmp_path: Path) -> None:
+    """Metrics files of schema 2 (no per-request KV transfer) load, summarize and draw today's transfers view."""
+    from metricsutil import schema2_file
+
+    run_dir = tmp_path / "old-run"
+    run_dir.mkdir()
+    rows = [{"request_id": f"r{i}", "send_time": float(i), "ttft_s": 0.05, "e2e_s": 0.5, "status": 200,
+             "input_tokens": 1000 + i, "output_tokens": 10, "cached_tokens": 0, "pod": "decode-0",
+             "prefill_pod": "prefill-0", "pd_path": "pd"} for i in range(6)]  # fmt: skip
+    schema2_file(run_dir / "client.h5", "client", rows)
+    schema2_file(run_dir / "router.h5", "router", [{**r, "expected_hit_tokens": 0} for r in rows])
+    merged = run_dir / "metrics.h5"
+    from llmd.metrics import merge_runs
+
+    merge_runs([run_dir / "client.h5", run_dir / "router.h5"], merged)
+    for run in (Run(run_dir), Run(merged)):
+        assert len(run.router) == 6 and (run.router["kv_transfer_tokens"] == -1).all()
+        s = summarize(run)
+        assert s.requests == 6 and s.kv_transfer_requests is None and math.isnan(s.kv_transfer_bytes_mean)
+        fig = rf.transfers(run.client, run.series("engines"), run.router)
+        assert len(fig.axes) == 2 and fig.axes[1].get_xlabel().startswith("prompt tokens")
 
 
 def test_cost_per_million_tokens() -> None:
