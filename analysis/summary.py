@@ -139,7 +139,7 @@ def summarize(run: Run) -> Summary:
         cached_share=math.nan if base.hit_share is None else base.hit_share,
         preemptions=base.preemptions,
         kv_transfers=_count(engines, "kv_transfers"),
-        **transfers.numbers(run.router),  # type: ignore[arg-type]
+        **transfers.numbers(run.router),
         rejected=_count(run.series("router"), "rejected"),
         pd_paths={str(k): int(v) for k, v in paths.items() if k},
     )
