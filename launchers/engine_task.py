@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd import runid
+from llmd.children import die_with_parent
 from llmd.discovery import FILE_NAME, entry_for, publish, with_bound_ports
 from llmd.engines.kinds import engine_kind
 from llmd.engines.sim_kind import sim_argv
@@ -90,7 +91,8 @@ def run(spec_path: Path, run_dir: Path, role: str, node_index: int) -> int:
     ports_file.unlink(missing_ok=True)
     cmd += ["--ports-file", str(ports_file)]
     run_id = runid.from_env()
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # Its own session (stopped in order below), and SIGTERM should this task die outright (llmd.children).
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent())
     try:
         bound = wait_ports_file(ports_file, proc, spec.engine.startup_timeout_s, ep.name)
         entry = with_bound_ports(entry_for(ep), bound)

@@ -27,6 +27,7 @@ from typing import Any
 from launchers.plan import ENGINE_STARTERS, plan_job
 from launchers.runstate import is_final, read_state, update_state
 from llmd import runid
+from llmd.children import die_with_parent
 from llmd.discovery import FILE_NAME, read_discovery
 from llmd.engines.vllm_server import EngineStartError, log_tail, stop_process_group, wait_healthy
 from llmd.errors import UserError
@@ -164,7 +165,9 @@ def _start_router(spec_path: Path, run_dir: Path, metrics_out: Path, run_id: str
     cmd += ["--metrics-out", str(metrics_out)]
     env = {**os.environ, runid.ENV: run_id}
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env, preexec_fn=die_with_parent()
+        )
     try:
         url = _router_url(port_file, proc, 120, log)
         wait_healthy(f"{url}/health", proc, 120, log, name="router", run_id=run_id)
@@ -220,7 +223,9 @@ def run_main(spec_path: Path, run_dir: Path) -> int:
             cmd += ["--duration", f"{remaining:g}", "--no-progress"]
             update_state(run_dir, phase="benchmark", logs={"bench": str(bench_log)})
             with open(bench_log, "ab") as fh:
-                bench = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                bench = subprocess.Popen(
+                    cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent()
+                )
             t0, last = time.monotonic(), 0.0
             earlier = sum(_rows(p) for p in _parts(run_dir) if p.parent != part)
             while bench.poll() is None:
