@@ -212,9 +212,17 @@ def _bind_first(proc: EngineProcess) -> EngineProcess:
     from llmd.engines.vllm_server import move_taken_ports
 
     host = proc.argv[proc.argv.index("--host") + 1]
-    dp = proc.discovery[0].dp_size if proc.discovery else 1
-    argv, env = move_taken_ports(proc.argv, proc.env, host, range(dp))
+    argv, env = move_taken_ports(proc.argv, proc.env, host, _dp_ranks(proc))
     return replace(proc, argv=argv, env=env)
+
+
+def _dp_ranks(proc: EngineProcess) -> list[int]:
+    """The DP ranks vLLM adds to the rank-0 ports it is given (KV events, NIXL side channel): a per-rank server's own
+    rank (its entry's dp_rank; vLLM adds the global rank there too), else every rank of the replica."""
+    if not proc.discovery:
+        return [0]
+    entry = proc.discovery[0]
+    return [entry.dp_rank] if entry.dp_rank is not None else list(range(entry.dp_size))
 
 
 def _wait_bound(
@@ -238,7 +246,7 @@ def _wait_bound(
         url = entry.url.rsplit(":", 1)[0] + f":{port}"
         bound: dict[str, Any] = {"http_port": port, **required_kv_sources(url, proc.name)}
         if entry.side_channel_port is not None:
-            bound["side_channel_ports"] = side_channel_ports(proc.env, range(entry.dp_size))
+            bound["side_channel_ports"] = side_channel_ports(proc.env, _dp_ranks(proc))
         out.append(with_bound_ports(entry, bound))
     return out
 
