@@ -57,6 +57,7 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEADLESS_MODULE = "llmd.engines.vllm"
 RANK_HTTP_OFFSET = 4000
 DP_RPC_OFFSET = 5000
+DP_RPC_FLAG = "--data-parallel-rpc-port"
 MAX_POOL_RANKS = 1000  # the port bands are 1000 apart
 NODE_ADDRESS = "@NODE_ADDRESS@"
 
@@ -212,7 +213,23 @@ def rank_http_port(pool: PoolSpec, replica: int, rank: int) -> int:
 
 
 def dp_rpc_port(pool: PoolSpec, replica: int) -> int:
+    """The layout's DP RPC port of a replica; 0 with `port: auto`: the launcher picks one (vLLM refuses 0 there)."""
+    if pool.port == "auto":
+        return 0
     return pool.port + DP_RPC_OFFSET + replica
+
+
+def dp_rpc_port_of(argv: Sequence[str]) -> int | None:
+    """The DP RPC port a launch's argv gives vLLM; None for a launch without DP."""
+    return int(argv[list(argv).index(DP_RPC_FLAG) + 1]) if DP_RPC_FLAG in argv else None
+
+
+def with_dp_rpc_port(argv: Sequence[str], port: int) -> list[str]:
+    """`argv` with its DP RPC port set to `port` (unchanged if it has none): the launcher's choice for the replica."""
+    out = list(argv)
+    if DP_RPC_FLAG in out:
+        out[out.index(DP_RPC_FLAG) + 1] = str(port)
+    return out
 
 
 def vllm_launches(
@@ -253,7 +270,7 @@ def vllm_launches(
             env = _env(spec, pool, ep, head)
             launches.append(EngineLaunch(role, replica, 0, argv, env, ep.http_port, [0]))
             continue
-        dp_addr = ["--data-parallel-address", head, "--data-parallel-rpc-port", str(dp_rpc_port(pool, replica))]
+        dp_addr = ["--data-parallel-address", head, DP_RPC_FLAG, str(dp_rpc_port(pool, replica))]
         if mode == "per-rank":
             for rank in range(dp):
                 node = rank // local
