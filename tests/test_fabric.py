@@ -1,9 +1,10 @@
-"""llmd.fabric without MPI: the per-node plan (tiny spec, the 544-GPU example), node ordering, the file channel,
-the slow-link verdict, the HDF5 record and its merge."""
+"""llmd.fabric without MPI: the per-node plan (tiny spec, the 544-GPU example), the ports a per-rank vLLM server
+probes, node ordering, the file channel, the slow-link verdict, the HDF5 record and its merge."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from pathlib import Path
 
@@ -13,7 +14,9 @@ import pytest
 
 from llmd.discovery import parse_discovery
 from llmd.engines.vllm import NODE_ADDRESS
+from llmd.engines.vllm_server import port_free
 from llmd.errors import UserError
+from llmd.fabric.bootstrap import _bind_first, _dp_ranks
 from llmd.fabric.comm import FileComm, slurm_world
 from llmd.fabric.nodes import order_nodes, slurm_node_order
 from llmd.fabric.plan import plan_nodes
@@ -117,6 +120,39 @@ def test_glm_per_rank_mode_announces_every_rank() -> None:
     assert entry.dp_size == 1 and entry.engine_id == "prefill-1_dp8"
     assert entry.side_channel_host == "n3" and entry.side_channel_port == 10100 + 16 + 8
     assert NODE_ADDRESS not in json.dumps(node3.processes[0].env)
+
+
+def vllm_spec(port: int) -> DeploymentSpec:
+    """P/D on vLLM: one prefill node running two DP ranks."""
+    return DeploymentSpec.model_validate(
+        {
+            "model": {"path": "models/tiny", "max_model_len": 512},
+            "prefill": {"nodes": 1, "dp_size": 2, "gpus_per_node": 2, "port": port},
+            "decode": {"nodes": 1, "port": port + 100},
+            "engine": {"kind": "vllm"},
+        }
+    )
+
+
+def test_a_per_rank_server_moves_and_publishes_its_own_ranks_side_channel() -> None:
+    """vLLM adds the global DP rank to VLLM_NIXL_SIDE_CHANNEL_PORT: rank 1 binds base + 1, so that is the port probed
+    (and published), not base + 0."""
+    for _ in range(50):
+        with socket.socket() as squat:
+            squat.bind(("127.0.0.1", 0))
+            squat.listen()
+            taken = squat.getsockname()[1]  # rank 1's side channel: base + 2000 + 1
+            if not port_free("127.0.0.1", taken - 1) or taken < 4000:
+                continue
+            spec = vllm_spec(taken - 2001)
+            plans = plan_nodes(spec, "prefill", ["a"], ["127.0.0.1"], mode="per-rank")
+            head, rank1 = plans[0].processes
+            assert (_dp_ranks(head), _dp_ranks(rank1)) == ([0], [1])
+            assert rank1.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(taken - 1), "rank 0's: vLLM adds the rank"
+            base = int(_bind_first(rank1).env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            assert base != taken - 1 and port_free("127.0.0.1", base + 1)
+            return
+    raise RuntimeError("no squattable side-channel port")
 
 
 # ---- nodes and the file channel -------------------------------------------------------------------------------------

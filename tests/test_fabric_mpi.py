@@ -215,6 +215,25 @@ def test_mpiexec_2_ranks_preflight_engines_discovery_and_sigterm(tmp_path: Path,
 
 
 @pytest.mark.integration
+def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port(tmp_path: Path) -> None:
+    """vLLM on `port: auto` with one DP replica over both nodes: the plan each rank starts from gives the head and the
+    headless node the same free RPC port (engines that exit at once stand in for vLLM: only the plan is checked)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "name: fabric-dp-rpc\nmodel:\n  path: models/tiny\n  max_model_len: 512\nprefill:\n  nodes: 0\n"
+        "decode:\n  nodes: 2\n  dp_size: 2\n  gpus_per_node: 1\n  port: auto\nengine:\n  kind: vllm\n"
+    )
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "2", *fabric_cmd(spec, run_dir), "--no-preflight", "--python", "/bin/false"]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "decode-0 exited with code 1 before it was healthy" in out.stderr, out.stderr
+    plan = json.loads((run_dir / "fabric-decode-plan.json").read_text())
+    argvs = [proc["argv"] for node in plan["nodes"] for proc in node["processes"]]
+    ports = {int(a[a.index("--data-parallel-rpc-port") + 1]) for a in argvs}
+    assert len(argvs) == 2 and len(ports) == 1 and 0 not in ports, ports
+
+
+@pytest.mark.integration
 def test_singleton_without_a_launcher_is_one_node_and_dies_with_its_engine(tmp_path: Path, model_dir: Path) -> None:
     spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
     run_dir = tmp_path / "run"

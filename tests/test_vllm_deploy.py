@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from llmd.engines import vllm_deploy
 from llmd.engines.vllm import vllm_launches
 from llmd.engines.vllm_deploy import (
     CPU_KV_CACHE_BYTES,
@@ -23,6 +24,7 @@ from llmd.engines.vllm_deploy import (
     cpu_env,
     demo_spec,
     pods_of,
+    settle_dp_rpc_ports,
     with_free_ports,
 )
 from llmd.engines.vllm_server import EngineStartError
@@ -180,3 +182,49 @@ def test_cancelled_start_up_stops_every_server(tmp_path: Path) -> None:
     pids = asyncio.run(asyncio.wait_for(body(), 30))
     assert len(pids) == 3 and time.monotonic() - t0 < 20
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_auto_ports_give_each_dp_replica_one_free_rpc_port(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 2, "replicas": 2, "dp_size": 2, "gpus_per_node": 2})
+    auto = spec.model_copy(update={"decode": spec.decode.model_copy(update={"port": "auto"})})
+    launches = settle_dp_rpc_ports(vllm_launches(auto, mode="per-rank"))
+    ports = [(x.replica, int(_flag(x.argv, "--data-parallel-rpc-port"))) for x in launches]
+    assert len(ports) == 4 and len(set(ports)) == 2 and all(port for _, port in ports)  # vLLM refuses 0 there
+    fixed = with_free_ports(spec, seed=5)  # free layout ports are kept
+    assert settle_dp_rpc_ports(vllm_launches(fixed)) == vllm_launches(fixed)
+
+
+def test_a_replica_whose_rpc_port_is_taken_at_bind_starts_again_on_a_free_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe found the DP RPC port free, then another program took it: rank 0 exits with EADDRINUSE, and both
+    ranks (rank 1 dials that port) start again on one free port."""
+    spec = _spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 1, "dp_size": 2, "gpus_per_node": 2})
+    spec = with_free_ports(spec, seed=4)
+    rpc = spec.decode.port + 5000
+    calls = tmp_path / "calls"
+    python = _fake_python(
+        tmp_path,
+        f'echo "$*" >> {calls}\n'
+        f'case "$*" in *"--data-parallel-rank 0 "*"--data-parallel-rpc-port {rpc} "*)\n'
+        '  echo "zmq.error.ZMQError: Address already in use"; exit 1;;\nesac\nexec sleep 60',
+    )
+    real, probed = vllm_deploy.port_free, []
+
+    def racy(host: str, port: int) -> bool:
+        probed.append(port)
+        return probed.count(rpc) == 1 if port == rpc else real(host, port)  # free at the first probe only
+
+    monkeypatch.setattr(vllm_deploy, "port_free", racy)
+    with socket.socket() as squat:
+        squat.bind(("127.0.0.1", rpc))
+        squat.listen()
+        dep = VllmDeployment(spec, tmp_path / "logs", python=python, timeout_s=5)
+        with pytest.raises(EngineStartError, match="not healthy"):  # the fake never serves: the end of this test
+            dep.start()
+    runs = [line.split() for line in calls.read_text().splitlines()]
+    started = [(_flag(a, "--data-parallel-rank"), int(_flag(a, "--data-parallel-rpc-port"))) for a in runs]
+    rank0 = [port for rank, port in started if rank == "0"]
+    rank1 = [port for rank, port in started if rank == "1"]  # its first start may be stopped before it writes a line
+    assert len(rank0) == 2 and rank0[0] == rpc and rank0[1] not in (0, rpc)
+    assert rank1[-1] == rank0[1] and set(rank1) <= {rpc, rank0[1]}

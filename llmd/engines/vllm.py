@@ -8,7 +8,11 @@ environment; launchers (Slurm, local) only place and run them. Ports come from `
   pool.port + RANK_HTTP_OFFSET + replica * dp_size + rank: a band of its own, 1000 ports above the replay band, so it
   cannot collide with the layout's HTTP, KV-events, side-channel or replay ports while a pool has fewer than 1000 ranks
   (checked).
-- DP RPC (`--data-parallel-rpc-port`, the same on every node of a replica): pool.port + DP_RPC_OFFSET + replica.
+- DP RPC (`--data-parallel-rpc-port`, the same on every node of a replica): pool.port + DP_RPC_OFFSET + replica, or 0
+  with `port: auto`. The replica's head binds it (vLLM's engine handshake) and its other nodes dial it, so no node can
+  move it alone as it moves the others: the launcher settles it before any engine starts, the layout's where it is free
+  on the head's address, else (and for 0, which vLLM refuses) a free one probed there (`with_dp_rpc_port`;
+  llmd.fabric.dp_rpc on a cluster, llmd.engines.vllm_deploy on one machine).
 - KV events: one config per replica: the publisher on `tcp://*:0` (a free port per rank on the node's address, read
   back from /kv_event_sources), the replay endpoint on the layout's rank-0 port, to which vLLM adds the DP rank itself
   (`offset_endpoint_port`), which is the layout's "+ rank".
@@ -21,8 +25,8 @@ port is always the one vLLM reports, never the layout's.
 `port: auto` (the layout's ports are 0): vLLM binds and the launcher reads back what it got (llmd.engines.vllm_server):
 `--port 0`; KV events and replay `tcp://*:0` with VLLM_HOST_IP the node's address (vLLM 0.32 binds a free port there
 and serves it on /kv_event_sources); VLLM_NIXL_SIDE_CHANNEL_PORT "0", which the launcher replaces with a free port
-(vLLM advertises that variable's value to its peers, so it cannot be 0). DP replicas need the fixed DP RPC port, so
-`port: auto` is for dp_size 1 (a spec check says so).
+(vLLM advertises that variable's value to its peers, so it cannot be 0); the DP RPC port 0, which the launcher
+replaces with a free port on the replica's head (see above).
 
 Addresses that only the launcher knows are placeholders it substitutes: `head_placeholder(role, replica)` where no
 head address is given, and NODE_ADDRESS for the NIXL side-channel host of a node other than a replica's head.
@@ -57,6 +61,7 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEADLESS_MODULE = "llmd.engines.vllm"
 RANK_HTTP_OFFSET = 4000
 DP_RPC_OFFSET = 5000
+DP_RPC_FLAG = "--data-parallel-rpc-port"
 MAX_POOL_RANKS = 1000  # the port bands are 1000 apart
 NODE_ADDRESS = "@NODE_ADDRESS@"
 
@@ -212,7 +217,23 @@ def rank_http_port(pool: PoolSpec, replica: int, rank: int) -> int:
 
 
 def dp_rpc_port(pool: PoolSpec, replica: int) -> int:
+    """The layout's DP RPC port of a replica; 0 with `port: auto`: the launcher picks one (vLLM refuses 0 there)."""
+    if pool.port == "auto":
+        return 0
     return pool.port + DP_RPC_OFFSET + replica
+
+
+def dp_rpc_port_of(argv: Sequence[str]) -> int | None:
+    """The DP RPC port a launch's argv gives vLLM; None for a launch without DP."""
+    return int(argv[list(argv).index(DP_RPC_FLAG) + 1]) if DP_RPC_FLAG in argv else None
+
+
+def with_dp_rpc_port(argv: Sequence[str], port: int) -> list[str]:
+    """`argv` with its DP RPC port set to `port` (unchanged if it has none): the launcher's choice for the replica."""
+    out = list(argv)
+    if DP_RPC_FLAG in out:
+        out[out.index(DP_RPC_FLAG) + 1] = str(port)
+    return out
 
 
 def vllm_launches(
@@ -253,7 +274,7 @@ def vllm_launches(
             env = _env(spec, pool, ep, head)
             launches.append(EngineLaunch(role, replica, 0, argv, env, ep.http_port, [0]))
             continue
-        dp_addr = ["--data-parallel-address", head, "--data-parallel-rpc-port", str(dp_rpc_port(pool, replica))]
+        dp_addr = ["--data-parallel-address", head, DP_RPC_FLAG, str(dp_rpc_port(pool, replica))]
         if mode == "per-rank":
             for rank in range(dp):
                 node = rank // local

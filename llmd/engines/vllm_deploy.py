@@ -12,9 +12,11 @@ KV transfer crashes (`Illegal instruction` in cpu_attention_with_kv_cache), afte
 Ports: the spec's layout on 127.0.0.1. Each server binds first: a port that is taken when it starts (or every port
 with `port: auto`) is given to vLLM as 0 and read back once it is up (llmd.engines.vllm_server), and its PodInfo
 carries the ports really bound; a server that exits with EADDRINUSE (a port taken between the check and its bind) is
-started again with every port moved, up to START_RETRIES times. `with_free_ports(spec)` moves each pool to a base
-port whose whole band (HTTP, KV events, NIXL side channel, replay, per-rank HTTP, DP RPC) is free, for runs that share
-the machine.
+started again with every port moved, up to START_RETRIES times. A DP replica's RPC port is shared by all its processes
+(rank 0 binds it, the others dial it), so it is settled for the replica before any starts (`settle_dp_rpc_ports`), and
+if rank 0 exits with EADDRINUSE and that port is taken, the whole replica starts again on a free one.
+`with_free_ports(spec)` moves each pool to a base port whose whole band (HTTP, KV events, NIXL side channel, replay,
+per-rank HTTP, DP RPC) is free, for runs that share the machine.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +45,15 @@ from llmd.engines.vllm import (
     RANK_HTTP_OFFSET,
     EngineLaunch,
     LaunchMode,
+    dp_rpc_port_of,
     head_placeholder,
     vllm_launches,
+    with_dp_rpc_port,
 )
 from llmd.engines.vllm_server import (
     EngineStartError,
     address_in_use,
+    free_run,
     log_tail,
     move_taken_ports,
     port_free,
@@ -186,6 +191,23 @@ def pods_of(spec: DeploymentSpec, launches: Iterable[EngineLaunch], mode: Launch
     return out
 
 
+def settle_dp_rpc_ports(launches: Iterable[EngineLaunch]) -> list[EngineLaunch]:
+    """The launches with one DP RPC port per replica: the layout's if it is free here, else (and for 0, `port: auto`,
+    which vLLM refuses) a free one. A probe, so racy: see `VllmDeployment._move_dp_rpc_port` for a start that loses."""
+    chosen: dict[tuple[str, int], int] = {}
+    out = []
+    for launch in launches:
+        port = dp_rpc_port_of(launch.argv)
+        if port is None:
+            out.append(launch)
+            continue
+        key = (launch.role, launch.replica)
+        if key not in chosen:
+            chosen[key] = port if port and port_free(LOCALHOST, port) else free_run(LOCALHOST, 1)
+        out.append(replace(launch, argv=with_dp_rpc_port(launch.argv, chosen[key])))
+    return out
+
+
 def _ports_of(spec: DeploymentSpec, role: str) -> list[int]:
     """Every port the layout and the launches give one pool."""
     pool = spec.pools[role]
@@ -293,7 +315,7 @@ class VllmDeployment:
         """Every server started concurrently, healthy and warmed up; their PodInfo with the ports they bound. Stops
         them all on failure."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        launches = vllm_launches(self.spec, python=self.python, mode=self.mode, run_id=self.run_id)
+        launches = settle_dp_rpc_ports(vllm_launches(self.spec, python=self.python, mode=self.mode, run_id=self.run_id))
         binds = core_binds(len(launches))
         try:
             for i, (launch, pod) in enumerate(zip(launches, pods_of(self.spec, launches, self.mode), strict=True)):
@@ -356,8 +378,10 @@ class VllmDeployment:
                     print(f"{name}: a port it was given was taken by the time it bound; starting it again on free ones")
                     p.argv, p.env = move_taken_ports(p.argv, p.env, LOCALHOST, p.launch.ranks, every=True)
                     _reap_group(p.proc.pid)  # its engine core may outlive the API server
+                    peers = self._move_dp_rpc_port(p)
                     with self._lock:
-                        p.proc = self._spawn(p.argv, p.env, p.log)
+                        for q in (p, *peers):
+                            q.proc = self._spawn(q.argv, q.env, q.log)
                     continue
                 # The log's tail as it is now, of the process that died if one did.
                 dead = next((q for q in self.processes if q.proc.poll() is not None), p)
@@ -370,6 +394,24 @@ class VllmDeployment:
                 bound["side_channel_ports"] = side_channel_ports(p.env, ranks)
             p.pod = with_bound_ports(p.pod, bound)
             return
+
+    def _move_dp_rpc_port(self, p: EngineProcess) -> list[EngineProcess]:
+        """After `p` exited with EADDRINUSE: if it binds its replica's DP RPC port (it runs rank 0) and another program
+        holds that port now, `p` and the replica's other processes, which dial it, get a free one; those others are
+        stopped here. Returns them, to be started again with `p`."""
+        port = dp_rpc_port_of(p.argv)
+        if port is None or 0 not in p.launch.ranks or port_free(LOCALHOST, port):
+            return []
+        new = free_run(LOCALHOST, 1)
+        replica = (p.launch.role, p.launch.replica)
+        peers = [q for q in self.processes if q is not p and (q.launch.role, q.launch.replica) == replica]
+        print(f"vLLM {p.name}: its DP RPC port {port} is taken; the replica starts again on {new}")
+        for q in (p, *peers):
+            q.argv = with_dp_rpc_port(q.argv, new)
+        for q in peers:
+            stop_process_group(q.proc)
+            _reap_group(q.proc.pid)
+        return peers
 
     def _bind(self, launch: EngineLaunch, cores: str) -> dict[str, str]:
         """Our extra env, plus a core binding for single-rank servers unless the spec or the caller set one."""

@@ -22,7 +22,10 @@ single process without a launcher (1 node). It
    (/fabric/<role>, see llmd.fabric.record; merge_runs carries it into the run file). A link below --min-gbps
    (default 1; 0 disables) or a failed/corrupted transfer makes every rank exit with code 3, naming each link:
    `prefill rank 1 (node2) -> rank 3 (node4): 0.41 GB/s < 1 GB/s`.
-3. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's
+3. settles each DP replica's `--data-parallel-rpc-port` (llmd.fabric.dp_rpc): the replica's head node keeps the
+   layout's if it is free there, else (or with `port: auto`) probes a free one; one allgather tells every node, and
+   rank 0 writes the plan again if a port changed.
+4. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's
    address; vllm: llmd.engines.vllm.vllm_launches with addresses resolved), logs in DIR/logs/engines/<name>.log,
    waits for /health, then appends the node's entries to DIR/discovery.json (llmd.discovery: locked, atomic;
    the router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the task

@@ -1,9 +1,10 @@
 """`python -m llmd.fabric`: bring up one node of an engine component (see llmd/fabric/__init__.py for the contract).
 
 Order of events on every rank: rank and size, node names and addresses (allgather), the node plan (pure,
-llmd.fabric.plan), the NIXL preflight (every rank, same verdict), then MPI is finalised together and each rank starts
-its node's engine processes, waits for /health, appends its discovery entries and supervises the engines until a
-signal or an engine's death. Nothing in the supervision talks to MPI, so one node's failure never blocks another's.
+llmd.fabric.plan), the NIXL preflight (every rank, same verdict), each DP replica's RPC port chosen on its head node
+and shared (llmd.fabric.dp_rpc), then MPI is finalised together and each rank starts its node's engine processes,
+waits for /health, appends its discovery entries and supervises the engines until a signal or an engine's death.
+Nothing in the supervision talks to MPI, so one node's failure never blocks another's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from llmd import runid
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
+from llmd.fabric.dp_rpc import agree_dp_rpc_ports
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 from llmd.metrics.run_files import engine_metrics_path
 from llmd.spec.redact import redact_spec_text
@@ -150,10 +152,15 @@ def bring_up(args: argparse.Namespace) -> tuple[Any, list[NodePlan], int, Any]:
         mode=args.launch_mode,
         run_id=runid.from_env(),  # exported by the batch script (llmd.runid)
     )
-    if comm.rank == 0:
-        doc = {"role": args.role, "comm": comm.kind, "ranks": comm.size, "nodes": plan_doc(plans)}
-        (run_dir / f"fabric-{args.role}-plan.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_plan(run_dir, args.role, comm, plans)
     return spec, plans, where[comm.rank], comm
+
+
+def write_plan(run_dir: Path, role: str, comm: Any, plans: Sequence[NodePlan]) -> None:
+    """Rank 0 writes every node's plan to DIR/fabric-<role>-plan.json (again once the DP RPC ports are agreed)."""
+    if comm.rank == 0:
+        doc = {"role": role, "comm": comm.kind, "ranks": comm.size, "nodes": plan_doc(plans)}
+        (run_dir / f"fabric-{role}-plan.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def preflight(args: argparse.Namespace, comm: Any, spec_text: str, node: str) -> None:
@@ -212,9 +219,17 @@ def _bind_first(proc: EngineProcess) -> EngineProcess:
     from llmd.engines.vllm_server import move_taken_ports
 
     host = proc.argv[proc.argv.index("--host") + 1]
-    dp = proc.discovery[0].dp_size if proc.discovery else 1
-    argv, env = move_taken_ports(proc.argv, proc.env, host, range(dp))
+    argv, env = move_taken_ports(proc.argv, proc.env, host, _dp_ranks(proc))
     return replace(proc, argv=argv, env=env)
+
+
+def _dp_ranks(proc: EngineProcess) -> list[int]:
+    """The DP ranks vLLM adds to the rank-0 ports it is given (KV events, NIXL side channel): a per-rank server's own
+    rank (its entry's dp_rank; vLLM adds the global rank there too), else every rank of the replica."""
+    if not proc.discovery:
+        return [0]
+    entry = proc.discovery[0]
+    return [entry.dp_rank] if entry.dp_rank is not None else list(range(entry.dp_size))
 
 
 def _wait_bound(
@@ -238,7 +253,7 @@ def _wait_bound(
         url = entry.url.rsplit(":", 1)[0] + f":{port}"
         bound: dict[str, Any] = {"http_port": port, **required_kv_sources(url, proc.name)}
         if entry.side_channel_port is not None:
-            bound["side_channel_ports"] = side_channel_ports(proc.env, range(entry.dp_size))
+            bound["side_channel_ports"] = side_channel_ports(proc.env, _dp_ranks(proc))
         out.append(with_bound_ports(entry, bound))
     return out
 
@@ -315,6 +330,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_preflight:
             spec_text = redact_spec_text(Path(args.spec).read_text())  # the fabric file is a result: no tokens in it
             preflight(args, comm, spec_text, plan.node)
+        # After the preflight, the last step with the other ranks: the shorter the wait between the probe on the head
+        # and vLLM's bind, the smaller the chance another program takes the port first (llmd.fabric.dp_rpc).
+        agreed = agree_dp_rpc_ports(comm, plans, index)
+        if agreed != plans:
+            plans, plan = agreed, agreed[index]
+            write_plan(Path(args.run_dir), args.role, comm, plans)
         _finalize_mpi(comm)
     except _Stop as stop:
         _log(args.role, "?", f"signal {signal.Signals(stop.signum).name} before the engines started")
