@@ -10,7 +10,6 @@ Nothing in the supervision talks to MPI, so one node's failure never blocks anot
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from llmd import runid
+from llmd.children import die_with_parent
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.fabric.dp_rpc import agree_dp_rpc_ports
@@ -32,7 +32,6 @@ from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 from llmd.metrics.run_files import engine_metrics_path
 from llmd.spec.redact import redact_spec_text
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DEFAULT_MIB = 64
 DEFAULT_ITERATIONS = 5
 DEFAULT_MIN_GBPS = 1.0
@@ -189,16 +188,6 @@ def preflight(args: argparse.Namespace, comm: Any, spec_text: str, node: str) ->
         raise FabricError(f"fabric preflight failed: {problems[0]}{more}")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: SIGTERM it when this task dies, even by SIGKILL (an OOM kill, mpiexec's
-    # clean-up, a Slurm proctrack that misses reparented processes), so no engine outlives its task.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
     log = log_dir / f"{proc.name}.log"
     with open(log, "ab") as fh:  # appended: a restarted node keeps the earlier attempt's log
@@ -208,7 +197,7 @@ def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
             stdout=fh,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent(),  # no engine outlives its task, even one killed outright
         )
     return child, log
 
