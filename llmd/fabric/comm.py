@@ -43,6 +43,13 @@ class MpiComm:
     kind = "mpi"
 
     def __init__(self) -> None:
+        # MPICH's UCX netmod puts each rank's UCX worker address (hundreds of bytes, run-length encoded) into the PMI
+        # key-value store at MPI_Init; under `srun --mpi=pmi2` Slurm's PMI2 server mis-parses some of those long
+        # segmented values ("mpi/pmi2: value not properly terminated in client request", then UCX "failed to unpack
+        # address"): about one start in three failed on Slurm 22.05 + MPICH 5.0.2. The OFI netmod's addresses are
+        # short. This world only carries the bootstrap's few small collectives (NIXL moves the data, over its own
+        # UCX), so the netmod's speed does not matter. A user's own setting wins.
+        os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
         from mpi4py import MPI
 
         self._mpi = MPI
