@@ -64,6 +64,7 @@ DP_RPC_OFFSET = 5000
 DP_RPC_FLAG = "--data-parallel-rpc-port"
 MAX_POOL_RANKS = 1000  # the port bands are 1000 apart
 NODE_ADDRESS = "@NODE_ADDRESS@"
+SIDE_CHANNEL_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"  # rank 0's; vLLM adds the replica-wide DP rank
 
 
 def head_placeholder(role: str, replica: int) -> str:
@@ -200,7 +201,7 @@ def _env(spec: DeploymentSpec, pool: PoolSpec, ep: EngineEndpoint, host: str) ->
     env["VLLM_HOST_IP"] = host  # where vLLM binds tcp://*:0 (the KV-event PUB socket always)
     if spec.disaggregated:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ep.side_channel_port)  # "0": the launcher picks a free one
+        env[SIDE_CHANNEL_ENV] = str(ep.side_channel_port)  # "0": the launcher picks a free one
     return {**env, **spec.engine.env, **pool.env}
 
 

@@ -37,7 +37,8 @@ def place(p: Placement) -> None:
         ep = by_ep[launch.replica]
         p.ranks[k].extend(launch.ranks)
         if launch.http_port is None:
-            p.procs[k].append(EngineProcess(f"{ep.name}-node{launch.node_index}", argv, env, None, None))
+            name = f"{ep.name}-node{launch.node_index}"
+            p.procs[k].append(EngineProcess(name, argv, env, None, None, ranks=launch.ranks))
             continue
         if p.mode == "per-rank" and ep.dp_size > 1:
             rank = launch.ranks[0]
@@ -47,7 +48,7 @@ def place(p: Placement) -> None:
             entries = [p.entry(ep, k)]
             name = ep.name
         url = f"http://{address}:{launch.http_port}"
-        p.procs[k].append(EngineProcess(name, argv, env, launch.http_port, f"{url}/health", entries))
+        p.procs[k].append(EngineProcess(name, argv, env, launch.http_port, f"{url}/health", entries, launch.ranks))
 
 
 def spec_issues(spec: DeploymentSpec) -> list[SpecIssue]:
