@@ -10,15 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
-
 from llmd.engines.vllm import dp_rpc_port_of
 from llmd.engines.vllm_server import port_free
 from llmd.fabric.comm import FileComm, LocalComm
 from llmd.fabric.dp_rpc import dp_rpc_ports, with_dp_rpc_ports
 from llmd.fabric.plan import NodePlan, plan_nodes
 from llmd.fabric.settle import agree_ports, choose_ports
-from llmd.spec import SpecError, parse_spec
+from llmd.spec import parse_spec
 from llmd.spec.model import DeploymentSpec
 
 LOCAL = "127.0.0.1"
@@ -111,10 +109,3 @@ def test_a_world_of_one_agrees_with_itself_and_plans_without_dp_skip_the_exchang
     plain = parse_spec({"model": {"path": "m"}, "engine": {"kind": "vllm"}, "prefill": {"nodes": 0}, "decode": dp1})
     plans = plan_nodes(plain, "decode", ["a", "b"], [LOCAL] * 2)
     assert agree_ports(NoExchange(), plans, 0) == plans
-
-
-def test_auto_refused_only_where_headless_nodes_would_get_side_channel_port_0() -> None:
-    vllm_spec("auto", nodes=2, gpus=2, prefill=1)  # P/D whose replicas fit a node: the check passes
-    with pytest.raises(SpecError, match=r'decode.port: "auto" with P/D cannot run a vLLM replica over several nodes'):
-        vllm_spec("auto", prefill=1)
-    vllm_spec(31200, prefill=1)  # a base port: as before

@@ -6,16 +6,19 @@ headless node runs too."""
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from llmd.discovery import with_bound_ports
+from llmd.engines.vllm import dp_rpc_port_of
 from llmd.engines.vllm_server import port_free
 from llmd.fabric.bootstrap import _dp_ranks
+from llmd.fabric.comm import FileComm
 from llmd.fabric.plan import NodePlan, plan_nodes
-from llmd.fabric.settle import choose_ports
-from llmd.fabric.side_channel import ENV, published_ports, with_side_channel_bases
+from llmd.fabric.settle import agree_ports, choose_ports
+from llmd.fabric.side_channel import ENV, published_ports, side_channel_bases, with_side_channel_bases
 from llmd.spec import parse_spec
 from llmd.spec.model import DeploymentSpec
 
@@ -84,6 +87,35 @@ def test_a_taken_headless_side_channel_moves_on_its_node_and_the_head_publishes_
     assert [pod.side_channel_of(r)[1] for r in (0, 1)] == [base + 2000, moved + 1]  # type: ignore[index]
     # Nothing else changed: the headless node's argv and the head's other fields are the layout's.
     assert [p.processes[0].argv for p in agreed] == [p.processes[0].argv for p in plans]
+
+
+def test_auto_with_pd_and_dp_2_over_two_nodes_passes_the_check_and_the_nodes_agree(tmp_path: Any) -> None:
+    spec = pd_spec("auto", nodes=4, replicas=2)  # once refused: headless nodes were left on side-channel port 0
+    addresses = [HEAD, OTHER, HEAD, OTHER]  # the two replicas' heads share HEAD, their headless nodes OTHER
+    plans = plan_nodes(spec, "decode", ["a", "b", "c", "d"], addresses)
+    assert set(side_channel_bases(plans).values()) == {0}, "the layout leaves them to the launcher"
+    got: dict[int, list[NodePlan]] = {}
+
+    def node(rank: int) -> None:
+        got[rank] = agree_ports(FileComm(tmp_path, rank, 4), plans, rank)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == [0, 1, 2, 3] and all(got[r] == got[0] for r in got), "every node holds the same plans"
+    agreed = got[0]
+    listens = {p.name: [int(p.env[ENV]) + r for r in p.ranks] for plan in agreed for p in plan.processes}
+    assert all(0 < port < 65536 for ports in listens.values() for port in ports)
+    for replica in (0, 1):
+        name = f"decode-{replica}"
+        assert head_entry(agreed, replica).side_channel_ports == (*listens[name], *listens[f"{name}-node1"])
+    # One host's ports are chosen together: no two processes there share one, nor one with a replica's RPC port.
+    rpc = {dp_rpc_port_of(p.argv) for plan in agreed[::2] for p in plan.processes}
+    on_head = listens["decode-0"] + listens["decode-1"]
+    on_other = listens["decode-0-node1"] + listens["decode-1-node1"]
+    assert len(set(on_head) | rpc) == 4 and len(set(on_other)) == 2 and 0 not in rpc
 
 
 def test_a_replica_on_one_node_publishes_its_own_base_for_every_rank() -> None:

@@ -212,6 +212,24 @@ def test_a_taken_headless_side_channel_moves_and_the_head_lists_it(tmp_path: Pat
     assert ports == {0: side, 1: moved + 1}
 
 
+def test_auto_pd_replicas_over_two_nodes_get_free_side_channels_no_two_alike(tmp_path: Path) -> None:
+    """P/D with dp_size 2 at one GPU per node: each replica's head and headless process on this machine, every side
+    channel 0 in the layout (`port: auto`, once refused for this shape). Settled together, each gets a base of its
+    own, and the head's pod lists every rank's port from the process that runs it."""
+    decode = {"nodes": 4, "replicas": 2, "dp_size": 2, "gpus_per_node": 1, "port": "auto"}
+    spec = _spec(tmp_path, prefill={"nodes": 1, "port": "auto"}, decode=decode)
+    launches = settle_ports(vllm_launches(spec))
+    listens = [int(x.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + r for x in launches for r in x.ranks]
+    rpc = {int(_flag(x.argv, "--data-parallel-rpc-port")) for x in launches if x.role == "decode"}
+    assert len(listens) == 5 and 0 not in listens and len(set(listens) | rpc) == 7
+    head = [x for x in launches if (x.role, x.replica) == ("decode", 1)]
+    ports = vllm_server.rank_side_channel_ports((x.env, x.ranks) for x in head)
+    assert ports == {
+        0: int(head[0].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+        1: int(head[1].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + 1,
+    }
+
+
 def test_a_replica_whose_rpc_port_is_taken_at_bind_starts_again_on_a_free_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
