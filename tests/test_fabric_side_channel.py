@@ -84,7 +84,7 @@ def test_a_taken_headless_side_channel_moves_on_its_node_and_the_head_publishes_
     assert published_ports(entry, head.env, _dp_ranks(head)) == [base + 2000, moved + 1]
     assert published_ports(entry, {**head.env, ENV: "40000"}, [0]) == [40000, moved + 1]
     pod = with_bound_ports(entry, {"http_port": 8000, "side_channel_ports": [base + 2000, moved + 1]})
-    assert [pod.side_channel_of(r)[1] for r in (0, 1)] == [base + 2000, moved + 1]  # type: ignore[index]
+    assert (pod.side_channel_port, pod.side_channel_ports) == (base + 2000, (base + 2000, moved + 1))
     # Nothing else changed: the headless node's argv and the head's other fields are the layout's.
     assert [p.processes[0].argv for p in agreed] == [p.processes[0].argv for p in plans]
 
