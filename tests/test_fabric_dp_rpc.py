@@ -1,6 +1,6 @@
 """A DP replica's `--data-parallel-rpc-port` without MPI: chosen on the replica's head node (kept if free, else or with
 `port: auto` a free one), shared through the no-MPI channels (FileComm threads, a world of one) and written into every
-process of the replica."""
+process of the replica. The side channel, settled in the same step: tests/test_fabric_side_channel.py."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
-
 from llmd.engines.vllm import dp_rpc_port_of
 from llmd.engines.vllm_server import port_free
 from llmd.fabric.comm import FileComm, LocalComm
-from llmd.fabric.dp_rpc import agree_dp_rpc_ports, choose_dp_rpc_ports, dp_rpc_ports, with_dp_rpc_ports
+from llmd.fabric.dp_rpc import dp_rpc_ports, with_dp_rpc_ports
 from llmd.fabric.plan import NodePlan, plan_nodes
-from llmd.spec import SpecError, parse_spec
+from llmd.fabric.settle import agree_ports, choose_ports
+from llmd.spec import parse_spec
 from llmd.spec.model import DeploymentSpec
 
 LOCAL = "127.0.0.1"
@@ -59,10 +58,12 @@ def test_a_taken_rpc_port_moves_for_every_process_of_its_replica_only() -> None:
         plans = plan_nodes(vllm_spec(base), "decode", ["a", "b", "c", "d"], [LOCAL] * 4)
         assert rpc_ports_by_process(plans) == [(0, taken), (0, taken), (1, taken + 1), (1, taken + 1)]
         assert dp_rpc_ports(plans) == {("decode", 0): taken, ("decode", 1): taken + 1}
-        # Only a replica's head node chooses; it keeps a free layout port.
-        assert [choose_dp_rpc_ports(p) for p in plans[1::2]] == [{}, {}]
-        assert choose_dp_rpc_ports(plans[2]) == {("decode", 1): taken + 1}
-        (moved,) = choose_dp_rpc_ports(plans[0]).values()
+        # The first node at an address chooses for every node there (here all four share one); it keeps a free
+        # layout port and moves a taken one.
+        assert [choose_ports(plans, k) for k in (1, 2, 3)] == [({}, {})] * 3
+        rpc, side = choose_ports(plans, 0)
+        assert rpc.keys() == {("decode", 0), ("decode", 1)} and rpc[("decode", 1)] == taken + 1 and side == {}
+        moved = rpc[("decode", 0)]
     assert moved not in (0, taken)
     agreed = with_dp_rpc_ports(plans, {("decode", 0): moved, ("decode", 1): taken + 1})
     assert rpc_ports_by_process(agreed) == [(0, moved), (0, moved), (1, taken + 1), (1, taken + 1)]
@@ -81,7 +82,7 @@ def test_auto_with_dp_2_passes_the_check_and_every_node_agrees_on_a_port(tmp_pat
     got: dict[int, list[NodePlan]] = {}
 
     def node(rank: int) -> None:
-        got[rank] = agree_dp_rpc_ports(FileComm(tmp_path, rank, 4), plans, rank)
+        got[rank] = agree_ports(FileComm(tmp_path, rank, 4), plans, rank)
 
     threads = [threading.Thread(target=node, args=(r,)) for r in range(4)]
     for t in threads:
@@ -96,22 +97,15 @@ def test_auto_with_dp_2_passes_the_check_and_every_node_agrees_on_a_port(tmp_pat
 
 def test_a_world_of_one_agrees_with_itself_and_plans_without_dp_skip_the_exchange() -> None:
     spec = vllm_spec("auto", nodes=1, replicas=1, gpus=2)
-    (plan,) = agree_dp_rpc_ports(LocalComm(), plan_nodes(spec, "decode", ["a"], [LOCAL], mode="per-rank"), 0)
+    (plan,) = agree_ports(LocalComm(), plan_nodes(spec, "decode", ["a"], [LOCAL], mode="per-rank"), 0)
     (port,) = {dp_rpc_port_of(p.argv) for p in plan.processes}
     assert len(plan.processes) == 2 and port
 
     class NoExchange(LocalComm):
         def allgather(self, obj: Any, timeout_s: float = 600.0) -> list[Any]:
-            raise AssertionError("no collective step without DP")
+            raise AssertionError("no collective step without DP or a side channel")
 
     dp1 = {"nodes": 2, "replicas": 2, "port": "auto"}
     plain = parse_spec({"model": {"path": "m"}, "engine": {"kind": "vllm"}, "prefill": {"nodes": 0}, "decode": dp1})
     plans = plan_nodes(plain, "decode", ["a", "b"], [LOCAL] * 2)
-    assert agree_dp_rpc_ports(NoExchange(), plans, 0) == plans
-
-
-def test_auto_refused_only_where_headless_nodes_would_get_side_channel_port_0() -> None:
-    vllm_spec("auto", nodes=2, gpus=2, prefill=1)  # P/D whose replicas fit a node: the check passes
-    with pytest.raises(SpecError, match=r'decode.port: "auto" with P/D cannot run a vLLM replica over several nodes'):
-        vllm_spec("auto", prefill=1)
-    vllm_spec(31200, prefill=1)  # a base port: as before
+    assert agree_ports(NoExchange(), plans, 0) == plans

@@ -215,12 +215,14 @@ def test_mpiexec_2_ranks_preflight_engines_discovery_and_sigterm(tmp_path: Path,
 
 
 @pytest.mark.integration
-def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port(tmp_path: Path) -> None:
-    """vLLM on `port: auto` with one DP replica over both nodes: the plan each rank starts from gives the head and the
-    headless node the same free RPC port (engines that exit at once stand in for vLLM: only the plan is checked)."""
+def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port_and_side_channels(tmp_path: Path) -> None:
+    """vLLM with P/D on `port: auto` with one DP replica over both nodes: the plan each rank starts from gives the head
+    and the headless node the same free RPC port, and each its own nonzero NIXL side-channel base, no two ports alike
+    (both ranks share 127.0.0.1: rank 0 chose for both). Engines that exit at once stand in for vLLM: only the plan is
+    checked."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(
-        "name: fabric-dp-rpc\nmodel:\n  path: models/tiny\n  max_model_len: 512\nprefill:\n  nodes: 0\n"
+        "name: fabric-dp-rpc\nmodel:\n  path: models/tiny\n  max_model_len: 512\nprefill:\n  nodes: 1\n  port: auto\n"
         "decode:\n  nodes: 2\n  dp_size: 2\n  gpus_per_node: 1\n  port: auto\nengine:\n  kind: vllm\n"
     )
     run_dir = tmp_path / "run"
@@ -228,9 +230,13 @@ def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port(tmp_path: Path) -> None
     out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "decode-0 exited with code 1 before it was healthy" in out.stderr, out.stderr
     plan = json.loads((run_dir / "fabric-decode-plan.json").read_text())
-    argvs = [proc["argv"] for node in plan["nodes"] for proc in node["processes"]]
-    ports = {int(a[a.index("--data-parallel-rpc-port") + 1]) for a in argvs}
-    assert len(argvs) == 2 and len(ports) == 1 and 0 not in ports, ports
+    procs = [proc for node in plan["nodes"] for proc in node["processes"]]
+    ports = {int(p["argv"][p["argv"].index("--data-parallel-rpc-port") + 1]) for p in procs}
+    assert len(procs) == 2 and len(ports) == 1 and 0 not in ports, ports
+    assert [p["dp_ranks"] for p in procs] == [[0], [1]]
+    bases = [int(p["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for p in procs]  # rank 0's: vLLM adds the rank
+    sides = [base + p["dp_ranks"][0] for base, p in zip(bases, procs, strict=True)]
+    assert 0 not in bases and len({*sides, *ports}) == 3, (sides, ports)
 
 
 @pytest.mark.integration

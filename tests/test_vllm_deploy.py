@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd.engines import vllm_deploy
+from llmd.engines import vllm_deploy, vllm_server
 from llmd.engines.vllm import vllm_launches
 from llmd.engines.vllm_deploy import (
     CPU_KV_CACHE_BYTES,
@@ -24,7 +24,7 @@ from llmd.engines.vllm_deploy import (
     cpu_env,
     demo_spec,
     pods_of,
-    settle_dp_rpc_ports,
+    settle_ports,
     with_free_ports,
 )
 from llmd.engines.vllm_server import EngineStartError
@@ -187,11 +187,47 @@ def test_cancelled_start_up_stops_every_server(tmp_path: Path) -> None:
 def test_auto_ports_give_each_dp_replica_one_free_rpc_port(tmp_path: Path) -> None:
     spec = _spec(tmp_path, prefill={"nodes": 0}, decode={"nodes": 2, "replicas": 2, "dp_size": 2, "gpus_per_node": 2})
     auto = spec.model_copy(update={"decode": spec.decode.model_copy(update={"port": "auto"})})
-    launches = settle_dp_rpc_ports(vllm_launches(auto, mode="per-rank"))
+    launches = settle_ports(vllm_launches(auto, mode="per-rank"))
     ports = [(x.replica, int(_flag(x.argv, "--data-parallel-rpc-port"))) for x in launches]
     assert len(ports) == 4 and len(set(ports)) == 2 and all(port for _, port in ports)  # vLLM refuses 0 there
     fixed = with_free_ports(spec, seed=5)  # free layout ports are kept
-    assert settle_dp_rpc_ports(vllm_launches(fixed)) == vllm_launches(fixed)
+    assert settle_ports(vllm_launches(fixed)) == vllm_launches(fixed)
+
+
+def test_a_taken_headless_side_channel_moves_and_the_head_lists_it(tmp_path: Path) -> None:
+    """P/D with a decode replica of dp_size 2 at one GPU per node: its head (rank 0) and headless process (rank 1)
+    both on this machine. Rank 1's layout side channel is taken: that process gets a base of its own before any
+    starts, the head keeps the layout's, and the head's pod lists each rank's port from the process that runs it."""
+    decode = {"nodes": 2, "dp_size": 2, "gpus_per_node": 1}
+    spec = with_free_ports(_spec(tmp_path, decode=decode), seed=6)
+    side = spec.decode.port + 2000  # rank 0's; rank 1 listens on side + 1
+    with socket.socket() as squat:
+        squat.bind(("127.0.0.1", side + 1))
+        squat.listen()
+        head, headless = [x for x in settle_ports(vllm_launches(spec)) if x.role == "decode"]
+        moved = int(headless.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        assert head.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(side) and moved not in (0, side)
+        assert vllm_server.port_free("127.0.0.1", moved + 1) and moved + 1 != side
+    ports = vllm_server.rank_side_channel_ports((x.env, x.ranks) for x in (head, headless))
+    assert ports == {0: side, 1: moved + 1}
+
+
+def test_auto_pd_replicas_over_two_nodes_get_free_side_channels_no_two_alike(tmp_path: Path) -> None:
+    """P/D with dp_size 2 at one GPU per node: each replica's head and headless process on this machine, every side
+    channel 0 in the layout (`port: auto`, once refused for this shape). Settled together, each gets a base of its
+    own, and the head's pod lists every rank's port from the process that runs it."""
+    decode = {"nodes": 4, "replicas": 2, "dp_size": 2, "gpus_per_node": 1, "port": "auto"}
+    spec = _spec(tmp_path, prefill={"nodes": 1, "port": "auto"}, decode=decode)
+    launches = settle_ports(vllm_launches(spec))
+    listens = [int(x.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + r for x in launches for r in x.ranks]
+    rpc = {int(_flag(x.argv, "--data-parallel-rpc-port")) for x in launches if x.role == "decode"}
+    assert len(listens) == 5 and 0 not in listens and len(set(listens) | rpc) == 7
+    head = [x for x in launches if (x.role, x.replica) == ("decode", 1)]
+    ports = vllm_server.rank_side_channel_ports((x.env, x.ranks) for x in head)
+    assert ports == {
+        0: int(head[0].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+        1: int(head[1].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + 1,
+    }
 
 
 def test_a_replica_whose_rpc_port_is_taken_at_bind_starts_again_on_a_free_one(
@@ -216,6 +252,7 @@ def test_a_replica_whose_rpc_port_is_taken_at_bind_starts_again_on_a_free_one(
         return probed.count(rpc) == 1 if port == rpc else real(host, port)  # free at the first probe only
 
     monkeypatch.setattr(vllm_deploy, "port_free", racy)
+    monkeypatch.setattr(vllm_server, "port_free", racy)  # settle_ports probes through it
     with socket.socket() as squat:
         squat.bind(("127.0.0.1", rpc))
         squat.listen()

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from llmd.engines import vllm_server
 from llmd.engines.vllm import vllm_launches
 from llmd.engines.vllm_server import (
     address_in_use,
+    choose_bases,
     listening_ports,
     move_taken_ports,
     wait_bound_http,
@@ -110,6 +112,36 @@ def test_move_taken_ports_moves_only_what_is_taken(tmp_path: Path) -> None:
     assert config["endpoint"] == config["replay_endpoint"] == "tcp://*:0"
     assert env["VLLM_HOST_IP"] == "127.0.0.1"
     assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 1
+
+
+def test_ports_chosen_together_never_coincide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that offers the same free port again (a probe binds and closes it) still gives two processes two
+    bands, and a band moved off a taken port misses the ports another process keeps."""
+    offered = iter([40000, 40000, 40000, 40010, 40000, 40020])
+
+    class Probe:
+        def __enter__(self) -> Probe:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = address[1] or next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(vllm_server.socket, "socket", Probe)
+    monkeypatch.setattr(vllm_server, "port_free", lambda host, port: port != 30001)
+    # Two side channels of ranks 0-1 and one RPC port, all `port: auto`: 40000-40001, 40010-40011, then 40020.
+    assert choose_bases("127.0.0.1", [(0, [0, 1]), (0, [0, 1]), (0, [0])]) == [40000, 40010, 40020]
+    offered = iter([40000, 40010])
+    # 30000 is taken at rank 1 (30001): it moves, and not onto 40000, which the next process keeps.
+    assert choose_bases("127.0.0.1", [(30000, [0, 1]), (40000, [0])]) == [40010, 40000]
+    offered = iter([40001, 40005])
+    # A headless node's ranks 2-3: the band of two free ports starts at base + 2.
+    assert choose_bases("127.0.0.1", [(0, [2, 3])]) == [40001 - 2]
 
 
 def test_auto_pool_lets_vllm_bind(tmp_path: Path) -> None:

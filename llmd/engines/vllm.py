@@ -12,11 +12,16 @@ environment; launchers (Slurm, local) only place and run them. Ports come from `
   with `port: auto`. The replica's head binds it (vLLM's engine handshake) and its other nodes dial it, so no node can
   move it alone as it moves the others: the launcher settles it before any engine starts, the layout's where it is free
   on the head's address, else (and for 0, which vLLM refuses) a free one probed there (`with_dp_rpc_port`;
-  llmd.fabric.dp_rpc on a cluster, llmd.engines.vllm_deploy on one machine).
+  llmd.fabric.settle on a cluster, llmd.engines.vllm_deploy on one machine).
 - KV events: one config per replica: the publisher on `tcp://*:0` (a free port per rank on the node's address, read
   back from /kv_event_sources), the replay endpoint on the layout's rank-0 port, to which vLLM adds the DP rank itself
   (`offset_endpoint_port`), which is the layout's "+ rank".
-- NIXL side channel: VLLM_NIXL_SIDE_CHANNEL_PORT is the layout's rank-0 port; vLLM adds the DP index itself.
+- NIXL side channel: VLLM_NIXL_SIDE_CHANNEL_PORT (`SIDE_CHANNEL_ENV`) is the layout's rank-0 port; vLLM 0.32 adds the
+  replica-wide DP rank itself (`data_parallel_index`, a headless node's ranks included) and listens there on the
+  node's VLLM_NIXL_SIDE_CHANNEL_HOST. Each process's base is settled before any engine starts, on its own node (the
+  layout's if free there for every rank it runs, else a free band), so a headless node's can differ from its head's;
+  the head's discovery entry lists every rank's port (llmd.fabric.settle and llmd.fabric.side_channel on a cluster,
+  llmd.engines.vllm_deploy on one machine).
 
 Listeners: the API server binds the node's own address (`--host`, the head address or NODE_ADDRESS), never 0.0.0.0,
 and so does the KV-event replay socket; the KV-event PUB socket too, through `tcp://*:0` (see kv_events_config), so its
@@ -24,9 +29,10 @@ port is always the one vLLM reports, never the layout's.
 
 `port: auto` (the layout's ports are 0): vLLM binds and the launcher reads back what it got (llmd.engines.vllm_server):
 `--port 0`; KV events and replay `tcp://*:0` with VLLM_HOST_IP the node's address (vLLM 0.32 binds a free port there
-and serves it on /kv_event_sources); VLLM_NIXL_SIDE_CHANNEL_PORT "0", which the launcher replaces with a free port
-(vLLM advertises that variable's value to its peers, so it cannot be 0); the DP RPC port 0, which the launcher
-replaces with a free port on the replica's head (see above).
+and serves it on /kv_event_sources); VLLM_NIXL_SIDE_CHANNEL_PORT "0", which the launcher replaces on every node, a
+replica's headless ones too, with a free base there before any engine starts (vLLM advertises that variable's value
+to its peers, so it cannot be 0; see above); the DP RPC port 0, which the launcher replaces with a free port on the
+replica's head (see above). Any shape runs on `port: auto`: P/D with DP replicas over several nodes too.
 
 Addresses that only the launcher knows are placeholders it substitutes: `head_placeholder(role, replica)` where no
 head address is given, and NODE_ADDRESS for the NIXL side-channel host of a node other than a replica's head.
@@ -64,6 +70,7 @@ DP_RPC_OFFSET = 5000
 DP_RPC_FLAG = "--data-parallel-rpc-port"
 MAX_POOL_RANKS = 1000  # the port bands are 1000 apart
 NODE_ADDRESS = "@NODE_ADDRESS@"
+SIDE_CHANNEL_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"  # rank 0's; vLLM adds the replica-wide DP rank
 
 
 def head_placeholder(role: str, replica: int) -> str:
@@ -200,7 +207,7 @@ def _env(spec: DeploymentSpec, pool: PoolSpec, ep: EngineEndpoint, host: str) ->
     env["VLLM_HOST_IP"] = host  # where vLLM binds tcp://*:0 (the KV-event PUB socket always)
     if spec.disaggregated:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ep.side_channel_port)  # "0": the launcher picks a free one
+        env[SIDE_CHANNEL_ENV] = str(ep.side_channel_port)  # "0": the launcher picks a free one
     return {**env, **spec.engine.env, **pool.env}
 
 

@@ -12,9 +12,11 @@ KV transfer crashes (`Illegal instruction` in cpu_attention_with_kv_cache), afte
 Ports: the spec's layout on 127.0.0.1. Each server binds first: a port that is taken when it starts (or every port
 with `port: auto`) is given to vLLM as 0 and read back once it is up (llmd.engines.vllm_server), and its PodInfo
 carries the ports really bound; a server that exits with EADDRINUSE (a port taken between the check and its bind) is
-started again with every port moved, up to START_RETRIES times. A DP replica's RPC port is shared by all its processes
-(rank 0 binds it, the others dial it), so it is settled for the replica before any starts (`settle_dp_rpc_ports`), and
-if rank 0 exits with EADDRINUSE and that port is taken, the whole replica starts again on a free one.
+started again with every port moved, up to START_RETRIES times. The ports vLLM cannot bind as 0 are settled for every
+launch together before any starts (`settle_ports`), so no two get the same free one: a DP replica's RPC port, shared by
+all its processes (rank 0 binds it, the others dial it; if rank 0 exits with EADDRINUSE and that port is taken, the
+whole replica starts again on a free one), and each process's NIXL side-channel base (a head's pod lists the port of
+every rank, its headless processes' too).
 `with_free_ports(spec)` moves each pool to a base port whose whole band (HTTP, KV events, NIXL side channel, replay,
 per-rank HTTP, DP RPC) is free, for runs that share the machine.
 """
@@ -43,6 +45,7 @@ from llmd.engines.vllm import (
     DP_RPC_OFFSET,
     NODE_ADDRESS,
     RANK_HTTP_OFFSET,
+    SIDE_CHANNEL_ENV,
     EngineLaunch,
     LaunchMode,
     dp_rpc_port_of,
@@ -53,12 +56,13 @@ from llmd.engines.vllm import (
 from llmd.engines.vllm_server import (
     EngineStartError,
     address_in_use,
+    choose_bases,
     free_run,
     log_tail,
     move_taken_ports,
     port_free,
+    rank_side_channel_ports,
     required_kv_sources,
-    side_channel_ports,
     stop_process_group,
     wait_bound_http,
     wait_healthy,
@@ -191,20 +195,30 @@ def pods_of(spec: DeploymentSpec, launches: Iterable[EngineLaunch], mode: Launch
     return out
 
 
-def settle_dp_rpc_ports(launches: Iterable[EngineLaunch]) -> list[EngineLaunch]:
-    """The launches with one DP RPC port per replica: the layout's if it is free here, else (and for 0, `port: auto`,
-    which vLLM refuses) a free one. A probe, so racy: see `VllmDeployment._move_dp_rpc_port` for a start that loses."""
-    chosen: dict[tuple[str, int], int] = {}
-    out = []
-    for launch in launches:
+def settle_ports(launches: Iterable[EngineLaunch]) -> list[EngineLaunch]:
+    """The launches with their probed ports chosen together on this machine (llmd.engines.vllm_server.choose_bases):
+    one DP RPC port per replica and each launch's NIXL side-channel base, the layout's where free here, else (and for
+    0, `port: auto`, which vLLM refuses for both) a free one that no other launch got. A probe, so racy: see
+    `VllmDeployment._move_dp_rpc_port` for a start that loses."""
+    launches = list(launches)
+    rpc: dict[tuple[str, int], int] = {}
+    side: dict[int, tuple[int, list[int]]] = {}
+    for i, launch in enumerate(launches):
         port = dp_rpc_port_of(launch.argv)
-        if port is None:
-            out.append(launch)
-            continue
-        key = (launch.role, launch.replica)
-        if key not in chosen:
-            chosen[key] = port if port and port_free(LOCALHOST, port) else free_run(LOCALHOST, 1)
-        out.append(replace(launch, argv=with_dp_rpc_port(launch.argv, chosen[key])))
+        if port is not None:
+            rpc.setdefault((launch.role, launch.replica), port)
+        if SIDE_CHANNEL_ENV in launch.env:
+            side[i] = (int(launch.env[SIDE_CHANNEL_ENV]), launch.ranks or [0])
+    chosen = choose_bases(LOCALHOST, [(port, [0]) for port in rpc.values()] + list(side.values()))
+    n = len(rpc)
+    rpc_port = dict(zip(rpc, chosen[:n], strict=True))
+    side_base = dict(zip(side, chosen[n:], strict=True))
+    out = []
+    for i, launch in enumerate(launches):
+        port = rpc_port.get((launch.role, launch.replica))
+        argv = with_dp_rpc_port(launch.argv, port) if port is not None else launch.argv
+        env = {**launch.env, SIDE_CHANNEL_ENV: str(side_base[i])} if i in side_base else launch.env
+        out.append(replace(launch, argv=argv, env=env))
     return out
 
 
@@ -315,7 +329,7 @@ class VllmDeployment:
         """Every server started concurrently, healthy and warmed up; their PodInfo with the ports they bound. Stops
         them all on failure."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        launches = settle_dp_rpc_ports(vllm_launches(self.spec, python=self.python, mode=self.mode, run_id=self.run_id))
+        launches = settle_ports(vllm_launches(self.spec, python=self.python, mode=self.mode, run_id=self.run_id))
         binds = core_binds(len(launches))
         try:
             for i, (launch, pod) in enumerate(zip(launches, pods_of(self.spec, launches, self.mode), strict=True)):
@@ -390,8 +404,12 @@ class VllmDeployment:
             url = f"http://{LOCALHOST}:{port}"
             bound = {"http_port": port, **required_kv_sources(url, name)}
             if p.pod.side_channel_port is not None:
+                # A head's pod fronts every rank of its replica: those its headless processes run listen on theirs.
                 ranks = p.launch.ranks if self.mode == "per-rank" else list(range(p.pod.dp_size))
-                bound["side_channel_ports"] = side_channel_ports(p.env, ranks)
+                ports = rank_side_channel_ports(
+                    (q.env, q.launch.ranks) for q in self.processes if _replica(q) == _replica(p)
+                )
+                bound["side_channel_ports"] = [ports[r] for r in ranks]
             p.pod = with_bound_ports(p.pod, bound)
             return
 
@@ -403,8 +421,7 @@ class VllmDeployment:
         if port is None or 0 not in p.launch.ranks or port_free(LOCALHOST, port):
             return []
         new = free_run(LOCALHOST, 1)
-        replica = (p.launch.role, p.launch.replica)
-        peers = [q for q in self.processes if q is not p and (q.launch.role, q.launch.replica) == replica]
+        peers = [q for q in self.processes if q is not p and _replica(q) == _replica(p)]
         print(f"vLLM {p.name}: its DP RPC port {port} is taken; the replica starts again on {new}")
         for q in (p, *peers):
             q.argv = with_dp_rpc_port(q.argv, new)
@@ -465,6 +482,10 @@ def vllm_installed() -> bool:
         return False
     # A regular package, not a namespace package: any folder named vllm on sys.path would pass for the latter.
     return spec is not None and (spec.origin or "").endswith("__init__.py")
+
+
+def _replica(p: EngineProcess) -> tuple[str, int]:
+    return (p.launch.role, p.launch.replica)
 
 
 def _reap_group(pgid: int, grace_s: float = 5.0) -> None:

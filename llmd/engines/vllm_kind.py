@@ -37,7 +37,8 @@ def place(p: Placement) -> None:
         ep = by_ep[launch.replica]
         p.ranks[k].extend(launch.ranks)
         if launch.http_port is None:
-            p.procs[k].append(EngineProcess(f"{ep.name}-node{launch.node_index}", argv, env, None, None))
+            name = f"{ep.name}-node{launch.node_index}"
+            p.procs[k].append(EngineProcess(name, argv, env, None, None, ranks=launch.ranks))
             continue
         if p.mode == "per-rank" and ep.dp_size > 1:
             rank = launch.ranks[0]
@@ -47,7 +48,7 @@ def place(p: Placement) -> None:
             entries = [p.entry(ep, k)]
             name = ep.name
         url = f"http://{address}:{launch.http_port}"
-        p.procs[k].append(EngineProcess(name, argv, env, launch.http_port, f"{url}/health", entries))
+        p.procs[k].append(EngineProcess(name, argv, env, launch.http_port, f"{url}/health", entries, launch.ranks))
 
 
 def spec_issues(spec: DeploymentSpec) -> list[SpecIssue]:
@@ -63,19 +64,6 @@ def spec_issues(spec: DeploymentSpec) -> list[SpecIssue]:
                 '(e.g. "zai-org/GLM-5.2")',
             )
         )
-    for role, pool in spec.pools.items():
-        # The DP RPC port is settled before the engines start (llmd.fabric.dp_rpc), the NIXL side channel of a
-        # replica's headless nodes is not: they would be given port 0, and the head publishes its own base for their
-        # ranks. Per-rank servers (--launch-mode per-rank) each move their own, but the spec cannot tell the mode.
-        if pool.port == "auto" and spec.disaggregated and pool.dp_size > 1 and pool.nodes_per_replica > 1:
-            issues.append(
-                SpecIssue(
-                    f"{role}.port",
-                    f'"auto" with P/D cannot run a vLLM replica over several nodes ({pool.nodes_per_replica} here): '
-                    "its headless nodes would get NIXL side-channel port 0; give a base port (a taken one still "
-                    "moves to a free one)",
-                )
-            )
     block = spec.model.block_size
     # vLLM's CPU attention kernels refuse other block sizes; engine.gpu "cpu" is how a spec says it runs on CPUs.
     if spec.engine.gpu == "cpu" and block % 32 != 0:

@@ -7,9 +7,11 @@ directly with the same flags.
 Bind first, then read (vLLM 0.32): `--port 0` binds any free port before the engine starts (its log then says ":0"),
 so the port is read from the process's own listening sockets (`listening_ports`, /proc) and confirmed with the run id
 (`wait_bound_http`). KV events `tcp://*:0` (PUB and replay) bind a free port on VLLM_HOST_IP and vLLM serves what
-they bound on /kv_event_sources (`bound_kv_sources`). The NIXL side channel cannot take 0 (vLLM advertises the
-configured port to its peers, not the bound one), so a taken one is moved to a probed free one (`move_taken_ports`),
-which is racy; a start that loses that race exits with EADDRINUSE (`address_in_use`) and is started again.
+they bound on /kv_event_sources (`bound_kv_sources`). The NIXL side channel and the DP RPC port cannot take 0 (vLLM
+advertises the configured side-channel port to its peers, not the bound one; the RPC port is dialled by other nodes),
+so the launchers choose free ones by a probe before any engine starts, all of a host's together (`choose_bases`), and
+a side channel taken since is moved once more (`move_taken_ports`). Probes are racy; a start that loses that race
+exits with EADDRINUSE (`address_in_use`) and is started again where the launcher can.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -251,15 +253,37 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def free_run(host: str, n: int) -> int:
-    """The first of `n` consecutive ports that are free on `host` now (a probe: racy, see the module docstring)."""
+def free_run(host: str, n: int, avoid: Collection[int] = ()) -> int:
+    """The first of `n` consecutive ports that are free on `host` now, none of them in `avoid` (a probe: racy, see the
+    module docstring)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind((host, 0))
             first = s.getsockname()[1]
-        if first + n <= 65536 and all(port_free(host, first + k) for k in range(n)):
+        band = range(first, first + n)
+        if first + n <= 65536 and not any(p in avoid for p in band) and all(port_free(host, p) for p in band):
             return first
     raise UserError(f"found no {n} consecutive free ports on {host}")
+
+
+def choose_bases(host: str, wants: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+    """The probed ports of one host, chosen together: for each (base, offsets) of `wants` (a process listens on base +
+    each offset: a DP RPC port at offset 0, a NIXL side channel at its DP ranks), the base to give it: its own if each
+    of its ports is free here and no earlier want got it, else (and for 0, `port: auto`) one whose ports are free and
+    miss every port handed out here and every port another want asked for. Probed one process at a time, two could
+    be handed the same free port, as nothing binds it before vLLM starts; together they cannot."""
+    asked = {base + k for base, offsets in wants if base for k in offsets}
+    given: set[int] = set()
+    out = []
+    for base, offsets in wants:
+        ports = {base + k for k in offsets}
+        if not base or given & ports or not all(port_free(host, p) for p in ports):
+            low = min(offsets)
+            base = free_run(host, max(offsets) - low + 1, asked | given) - low
+            ports = {base + k for k in offsets}
+        given |= ports
+        out.append(base)
+    return out
 
 
 def _flag(argv: list[str], flag: str) -> str | None:
@@ -306,3 +330,12 @@ def side_channel_ports(env: Mapping[str, str], ranks: Sequence[int]) -> list[int
     """The NIXL side-channel port of each of `ranks`, as vLLM derives it from the (moved) environment."""
     side = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
     return [int(side) + r for r in ranks] if side is not None else []
+
+
+def rank_side_channel_ports(procs: Iterable[tuple[Mapping[str, str], Sequence[int]]]) -> dict[int, int]:
+    """The NIXL side-channel port of each DP rank one replica's processes run, from each one's (environment, ranks):
+    a replica over several nodes listens on each node's own base + the rank."""
+    out: dict[int, int] = {}
+    for env, ranks in procs:
+        out.update(zip(ranks, side_channel_ports(env, ranks), strict=False))
+    return out

@@ -22,9 +22,11 @@ single process without a launcher (1 node). It
    (/fabric/<role>, see llmd.fabric.record; merge_runs carries it into the run file). A link below --min-gbps
    (default 1; 0 disables) or a failed/corrupted transfer makes every rank exit with code 3, naming each link:
    `prefill rank 1 (node2) -> rank 3 (node4): 0.41 GB/s < 1 GB/s`.
-3. settles each DP replica's `--data-parallel-rpc-port` (llmd.fabric.dp_rpc): the replica's head node keeps the
-   layout's if it is free there, else (or with `port: auto`) probes a free one; one allgather tells every node, and
-   rank 0 writes the plan again if a port changed.
+3. settles the ports vLLM cannot bind as 0 (llmd.fabric.settle): each DP replica's `--data-parallel-rpc-port`, on
+   the replica's head node, and every vLLM process's NIXL side-channel base, on the node that runs it (a replica's
+   headless nodes too): the layout's where free there, else (or with `port: auto`) a free one, the first node at each
+   address choosing for every node at it; one allgather tells every node, the replica head's discovery entry lists
+   each rank's side-channel port, and rank 0 writes the plan again if a port changed.
 4. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's
    address; vllm: llmd.engines.vllm.vllm_launches with addresses resolved), logs in DIR/logs/engines/<name>.log,
    waits for /health, then appends the node's entries to DIR/discovery.json (llmd.discovery: locked, atomic;

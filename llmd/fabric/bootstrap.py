@@ -1,9 +1,10 @@
 """`python -m llmd.fabric`: bring up one node of an engine component (see llmd/fabric/__init__.py for the contract).
 
 Order of events on every rank: rank and size, node names and addresses (allgather), the node plan (pure,
-llmd.fabric.plan), the NIXL preflight (every rank, same verdict), each DP replica's RPC port chosen on its head node
-and shared (llmd.fabric.dp_rpc), then MPI is finalised together and each rank starts its node's engine processes,
-waits for /health, appends its discovery entries and supervises the engines until a signal or an engine's death.
+llmd.fabric.plan), the NIXL preflight (every rank, same verdict), the probed ports (each DP replica's RPC port, every
+vLLM process's NIXL side channel) chosen on the node that binds them and shared (llmd.fabric.settle), then MPI is
+finalised together and each rank starts its node's engine processes, waits for /health, appends its discovery
+entries and supervises the engines until a signal or an engine's death.
 Nothing in the supervision talks to MPI, so one node's failure never blocks another's.
 """
 
@@ -27,8 +28,8 @@ from llmd import runid
 from llmd.children import die_with_parent
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
-from llmd.fabric.dp_rpc import agree_dp_rpc_ports
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
+from llmd.fabric.settle import agree_ports
 from llmd.metrics.run_files import engine_metrics_path
 from llmd.spec.redact import redact_spec_text
 
@@ -113,7 +114,8 @@ def plan_doc(plans: Sequence[NodePlan]) -> list[dict[str, Any]]:
             "dp_ranks": p.dp_ranks,
             "ports": p.ports,
             "processes": [
-                {"name": e.name, "argv": e.argv, "env": e.env, "http_port": e.http_port} for e in p.processes
+                {"name": e.name, "argv": e.argv, "env": e.env, "http_port": e.http_port, "dp_ranks": e.ranks}
+                for e in p.processes
             ],
         }
         for p in plans
@@ -156,7 +158,7 @@ def bring_up(args: argparse.Namespace) -> tuple[Any, list[NodePlan], int, Any]:
 
 
 def write_plan(run_dir: Path, role: str, comm: Any, plans: Sequence[NodePlan]) -> None:
-    """Rank 0 writes every node's plan to DIR/fabric-<role>-plan.json (again once the DP RPC ports are agreed)."""
+    """Rank 0 writes every node's plan to DIR/fabric-<role>-plan.json (again once the probed ports are agreed)."""
     if comm.rank == 0:
         doc = {"role": role, "comm": comm.kind, "ranks": comm.size, "nodes": plan_doc(plans)}
         (run_dir / f"fabric-{role}-plan.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -204,7 +206,8 @@ def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
 
 def _bind_first(proc: EngineProcess) -> EngineProcess:
     """A vLLM server's ports that are taken on this node (all, with `port: auto`) handed to vLLM to pick
-    (llmd.engines.vllm_server.move_taken_ports); what it bound is read back by _wait_bound."""
+    (llmd.engines.vllm_server.move_taken_ports); what it bound is read back by _wait_bound. Its side channel was
+    settled with the other nodes (llmd.fabric.settle): it moves only if it was taken since."""
     from llmd.engines.vllm_server import move_taken_ports
 
     host = proc.argv[proc.argv.index("--host") + 1]
@@ -213,12 +216,9 @@ def _bind_first(proc: EngineProcess) -> EngineProcess:
 
 
 def _dp_ranks(proc: EngineProcess) -> list[int]:
-    """The DP ranks vLLM adds to the rank-0 ports it is given (KV events, NIXL side channel): a per-rank server's own
-    rank (its entry's dp_rank; vLLM adds the global rank there too), else every rank of the replica."""
-    if not proc.discovery:
-        return [0]
-    entry = proc.discovery[0]
-    return [entry.dp_rank] if entry.dp_rank is not None else list(range(entry.dp_size))
+    """The DP ranks vLLM adds to the rank-0 ports it is given (KV events, NIXL side channel): those the process runs
+    (replica-wide: a per-rank server's own, a head's local ones; the ranks of its headless nodes listen there)."""
+    return proc.ranks or [0]
 
 
 def _wait_bound(
@@ -226,7 +226,8 @@ def _wait_bound(
 ) -> list[Any]:
     """Wait for `proc` to answer as this run's; its discovery entries with the ports it really bound."""
     from llmd.discovery import with_bound_ports
-    from llmd.engines.vllm_server import required_kv_sources, side_channel_ports, wait_bound_http, wait_healthy
+    from llmd.engines.vllm_server import required_kv_sources, wait_bound_http, wait_healthy
+    from llmd.fabric.side_channel import published_ports
 
     run_id = runid.from_env()
     port = int(proc.argv[proc.argv.index("--port") + 1])
@@ -242,7 +243,7 @@ def _wait_bound(
         url = entry.url.rsplit(":", 1)[0] + f":{port}"
         bound: dict[str, Any] = {"http_port": port, **required_kv_sources(url, proc.name)}
         if entry.side_channel_port is not None:
-            bound["side_channel_ports"] = side_channel_ports(proc.env, _dp_ranks(proc))
+            bound["side_channel_ports"] = published_ports(entry, proc.env, _dp_ranks(proc))
         out.append(with_bound_ports(entry, bound))
     return out
 
@@ -319,9 +320,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_preflight:
             spec_text = redact_spec_text(Path(args.spec).read_text())  # the fabric file is a result: no tokens in it
             preflight(args, comm, spec_text, plan.node)
-        # After the preflight, the last step with the other ranks: the shorter the wait between the probe on the head
-        # and vLLM's bind, the smaller the chance another program takes the port first (llmd.fabric.dp_rpc).
-        agreed = agree_dp_rpc_ports(comm, plans, index)
+        # After the preflight, the last step with the other ranks: the shorter the wait between the probe and vLLM's
+        # bind, the smaller the chance another program takes the port first (llmd.fabric.settle).
+        agreed = agree_ports(comm, plans, index)
         if agreed != plans:
             plans, plan = agreed, agreed[index]
             write_plan(Path(args.run_dir), args.role, comm, plans)

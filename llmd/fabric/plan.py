@@ -31,6 +31,8 @@ class EngineProcess:
     http_port: int | None  # None: headless, no /health to wait for
     health_url: str | None
     discovery: list[PodInfo] = field(default_factory=list)
+    # The DP ranks (within its replica) it runs; vLLM adds each to the rank-0 side-channel and KV-event ports it gets.
+    ranks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
