@@ -26,6 +26,7 @@ from typing import Any
 from llmd import runid
 from llmd.engines.kinds import ENGINE_KINDS, engine_kind
 from llmd.errors import UserError
+from llmd.workload.profiles import SUBAGENT_SHARE
 
 COMPARE_POLICIES = ("precise", "approximate", "round-robin")
 DEFAULT_DURATION_S = 60.0
@@ -36,7 +37,10 @@ SHORT_DURATION_S = 5.0
 # to ~2.6K), 0.3 s tool gaps, two-turn sub-agents. Outputs keep agentic traffic's shape (a turn reads far more than it
 # writes: the trace's median is 195K in, 317 out), so prefill, which a cache hit saves, is what the engines spend their
 # time on. No compactions: at this scale a compaction can shrink a context below the prompt writer's floor
-# (llmd.workload.prompts raises "need at least one token of text").
+# (llmd.workload.prompts raises "need at least one token of text"). Sub-agent bursts scaled to the fleet: the trace's
+# fan-out (7 sub-agents at the median, 51 at p90) comes from fleets of thousands of agents; here one burst of 51
+# would be four times the demo's whole population on five engines, and the run's TTFT tail would be whichever burst
+# the run happened to reach. Bursts of 3 (p50) to 10 (p99) keep the trace's share of sub-agent requests.
 DEMO_WORKLOAD: dict[str, Any] = {
     "profile": "automationbench",
     "concurrency": 12,
@@ -51,6 +55,10 @@ DEMO_WORKLOAD: dict[str, Any] = {
         "subagent_turns": 2,
         "compaction_p": 0.0,
         "stagger_s": 0.2,
+        "group_size_p50": 3,
+        "group_size_p90": 6,
+        "group_size_p99": 10,
+        "subagent_share": SUBAGENT_SHARE,
     },
 }
 STOP_GRACE_S = 20.0  # after the duration, requests still running get this long before they are cut (aborted)

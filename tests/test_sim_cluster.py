@@ -104,7 +104,7 @@ def test_simulated_run_writes_the_live_schema(demo_run) -> None:
 def test_router_rows_carry_the_kv_transfers_the_simulator_modelled(tmp_path: Path) -> None:
     """Each P/D request's row holds the pull its decode engine made, as the fleet modelled it: tokens, their bytes
     (tokens x the decode pool's KV bytes per token), the link time plus NIXL's overhead; a decode-only one zeros."""
-    spec = embedded_spec(4.0)
+    spec = embedded_spec(8.0)
     spec = spec.model_copy(update={"router": spec.router.model_copy(update={"pd_threshold": 600})})
     sim = Simulation(spec, out_dir=tmp_path / "run", run_id="x")
     sim.run()
@@ -113,7 +113,10 @@ def test_router_rows_carry_the_kv_transfers_the_simulator_modelled(tmp_path: Pat
     pd_rows, local = router[router.pd_path == "pd"], router[router.pd_path == "decode-only"]
     assert len(pd_rows) > 10 and len(local) > 10
     tokens = pd_rows["kv_transfer_tokens"]
-    assert (tokens >= spec.router.pd_threshold).all() and (tokens <= pd_rows["input_tokens"]).all()
+    # What the pull moved, not what the router expected: the decode engine may have cached more of the prompt by
+    # the time it pulls (another request brought it), so a row can fall below the threshold the decider used.
+    assert (tokens > 0).all() and (tokens <= pd_rows["input_tokens"]).all()
+    assert (tokens >= spec.router.pd_threshold).mean() > 0.8
     assert tokens.sum() == sim.fleet.transfers.tokens  # every pull the fleet made is one request's
     lat = next(r.latency for r in sim.fleet.ranks if r.pod.info.role == "decode")
     assert (pd_rows["kv_transfer_bytes"] == tokens * lat.kv_bytes_per_token_gpu * lat.par.tp).all()
