@@ -240,6 +240,40 @@ def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port_and_side_channels(tmp_p
 
 
 @pytest.mark.integration
+def test_mpiexec_2_ranks_a_headless_node_moves_its_taken_replay_port(tmp_path: Path) -> None:
+    """The same replica on the layout's ports, rank 1's KV replay port (P + 3000 + 1) taken: the headless node hands
+    that socket to vLLM as `tcp://*:0` and keeps its agreed side channel; the head keeps its free replay port.
+    Engines that print their command line and exit stand in for vLLM."""
+    base = pool_port(1, 2)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "name: fabric-replay\nmodel:\n  path: models/tiny\n  max_model_len: 512\nprefill:\n  nodes: 1\n  port: auto\n"
+        f"decode:\n  nodes: 2\n  dp_size: 2\n  gpus_per_node: 1\n  port: {base}\nengine:\n  kind: vllm\n"
+    )
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "2", *fabric_cmd(spec, run_dir), "--no-preflight", "--python", "/bin/echo"]
+    with socket.socket() as squat:
+        squat.bind(("127.0.0.1", base + 3001))
+        squat.listen()
+        out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert "decode-0 exited with code 0 before it was healthy" in out.stderr, out.stderr
+    logs = run_dir / "logs" / "engines"
+
+    def started_with(name: str) -> tuple[list[str], dict]:
+        argv = (logs / f"{name}.log").read_text().split()
+        return argv, json.loads(argv[argv.index("--kv-events-config") + 1])
+
+    head_argv, head = started_with("decode-0")
+    headless_argv, headless = started_with("decode-0-node1")
+    assert head["replay_endpoint"] == f"tcp://127.0.0.1:{base + 3000}", "free at rank 0: kept"
+    assert headless["replay_endpoint"] == "tcp://*:0", "taken at rank 1: vLLM binds a free one"
+    assert "--headless" in headless_argv and head_argv[head_argv.index("--port") + 1] == str(base)
+    plan = json.loads((run_dir / "fabric-decode-plan.json").read_text())
+    env = [proc["env"] for node in plan["nodes"] for proc in node["processes"]]
+    assert [e["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in env] == [str(base + 2000)] * 2, "free: the layout's, agreed"
+
+
+@pytest.mark.integration
 def test_singleton_without_a_launcher_is_one_node_and_dies_with_its_engine(tmp_path: Path, model_dir: Path) -> None:
     spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
     run_dir = tmp_path / "run"
