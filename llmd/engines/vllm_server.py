@@ -7,11 +7,12 @@ directly with the same flags.
 Bind first, then read (vLLM 0.32): `--port 0` binds any free port before the engine starts (its log then says ":0"),
 so the port is read from the process's own listening sockets (`listening_ports`, /proc) and confirmed with the run id
 (`wait_bound_http`). KV events `tcp://*:0` (PUB and replay) bind a free port on VLLM_HOST_IP and vLLM serves what
-they bound on /kv_event_sources (`bound_kv_sources`). The NIXL side channel and the DP RPC port cannot take 0 (vLLM
-advertises the configured side-channel port to its peers, not the bound one; the RPC port is dialled by other nodes),
-so the launchers choose free ones by a probe before any engine starts, all of a host's together (`choose_bases`), and
-a side channel taken since is moved once more (`move_taken_ports`). Probes are racy; a start that loses that race
-exits with EADDRINUSE (`address_in_use`) and is started again where the launcher can.
+they bound on /kv_event_sources (`bound_kv_sources`; a head's lists every rank's, its headless nodes' too). The NIXL
+side channel and the DP RPC port cannot take 0 (vLLM advertises the configured side-channel port to its peers, not
+the bound one; the RPC port is dialled by other nodes), so the launchers choose free ones by a probe before any engine
+starts, all of a host's together (`choose_bases`), and a server's side channel taken since is moved once more
+(`move_taken_ports`). Probes are racy; a start that loses that race exits with EADDRINUSE (`address_in_use`) and is
+started again where the launcher can.
 """
 
 from __future__ import annotations
