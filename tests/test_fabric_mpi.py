@@ -333,6 +333,38 @@ def test_singleton_starts_real_vllm_from_the_plan(tmp_path: Path, tmp_path_facto
     assert "vllm.entrypoints.openai.api_server" in (run_dir / "fabric-decode-plan.json").read_text()
 
 
+@pytest.mark.vllm
+def test_mpiexec_2_ranks_real_vllm_headless_replay_port_taken(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A real vLLM DP replica over two nodes whose headless rank's layout replay port (P + 3000 + 1) is taken: that
+    node hands it to vLLM to pick, the head's /kv_event_sources reports what rank 1 bound, and the head's discovery
+    entry lists it (the replica serves, so rank 1 started)."""
+    pytest.importorskip("vllm")
+    from llmd.models.tiny import make_tiny
+
+    model = make_tiny(tmp_path_factory.mktemp("models") / "tiny", weights=True)
+    port = pool_port(1, 2)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: fabric-vllm-dp\nmodel:\n  path: {model}\n  served_name: tiny\n  block_size: 32\n  max_model_len: 1024\n"
+        f"prefill:\n  nodes: 0\ndecode:\n  nodes: 2\n  dp_size: 2\n  gpus_per_node: 1\n  port: {port}\n"
+        '  max_num_seqs: 8\n  extra_args: ["--enforce-eager", "--kv-cache-memory-bytes", "134217728"]\n'
+        "kv:\n  gpu_memory_fraction: 0.25\nengine:\n  kind: vllm\n  startup_timeout_s: 400\n"
+        '  env:\n    HF_HUB_OFFLINE: "1"\n'
+    )
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "2", *fabric_cmd(spec, run_dir), "--no-preflight"]
+    with socket.socket() as squat:
+        squat.bind(("127.0.0.1", port + 3001))
+        squat.listen()
+        _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt")
+    (entry,) = _entries(run_dir / "discovery.json")
+    head, rank1 = entry["kv_events_replay_endpoints"]
+    assert head == f"tcp://127.0.0.1:{port + 3000}", "free at rank 0: the layout's"
+    assert rank1.startswith("tcp://127.0.0.1:") and rank1 != f"tcp://127.0.0.1:{port + 3001}", entry
+
+
 def _slurm_problem() -> str | None:
     if shutil.which("srun") is None or shutil.which("sinfo") is None:
         return "no Slurm here (srun/sinfo not on PATH)"
