@@ -240,6 +240,40 @@ def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port_and_side_channels(tmp_p
 
 
 @pytest.mark.integration
+def test_mpiexec_2_ranks_a_headless_node_moves_its_taken_replay_port(tmp_path: Path) -> None:
+    """The same replica on the layout's ports, rank 1's KV replay port (P + 3000 + 1) taken: the headless node hands
+    that socket to vLLM as `tcp://*:0` and keeps its agreed side channel; the head keeps its free replay port.
+    Engines that print their command line and exit stand in for vLLM."""
+    base = pool_port(1, 2)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "name: fabric-replay\nmodel:\n  path: models/tiny\n  max_model_len: 512\nprefill:\n  nodes: 1\n  port: auto\n"
+        f"decode:\n  nodes: 2\n  dp_size: 2\n  gpus_per_node: 1\n  port: {base}\nengine:\n  kind: vllm\n"
+    )
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "2", *fabric_cmd(spec, run_dir), "--no-preflight", "--python", "/bin/echo"]
+    with socket.socket() as squat:
+        squat.bind(("127.0.0.1", base + 3001))
+        squat.listen()
+        out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert "decode-0 exited with code 0 before it was healthy" in out.stderr, out.stderr
+    logs = run_dir / "logs" / "engines"
+
+    def started_with(name: str) -> tuple[list[str], dict]:
+        argv = (logs / f"{name}.log").read_text().split()
+        return argv, json.loads(argv[argv.index("--kv-events-config") + 1])
+
+    head_argv, head = started_with("decode-0")
+    headless_argv, headless = started_with("decode-0-node1")
+    assert head["replay_endpoint"] == f"tcp://127.0.0.1:{base + 3000}", "free at rank 0: kept"
+    assert headless["replay_endpoint"] == "tcp://*:0", "taken at rank 1: vLLM binds a free one"
+    assert "--headless" in headless_argv and head_argv[head_argv.index("--port") + 1] == str(base)
+    plan = json.loads((run_dir / "fabric-decode-plan.json").read_text())
+    env = [proc["env"] for node in plan["nodes"] for proc in node["processes"]]
+    assert [e["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in env] == [str(base + 2000)] * 2, "free: the layout's, agreed"
+
+
+@pytest.mark.integration
 def test_singleton_without_a_launcher_is_one_node_and_dies_with_its_engine(tmp_path: Path, model_dir: Path) -> None:
     spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=1, replicas=1)
     run_dir = tmp_path / "run"
@@ -297,6 +331,38 @@ def test_singleton_starts_real_vllm_from_the_plan(tmp_path: Path, tmp_path_facto
     assert "signal SIGTERM: stopping the engines" in text
     assert not (run_dir / "fabric-decode.h5").exists(), "--no-preflight measures nothing"
     assert "vllm.entrypoints.openai.api_server" in (run_dir / "fabric-decode-plan.json").read_text()
+
+
+@pytest.mark.vllm
+def test_mpiexec_2_ranks_real_vllm_headless_replay_port_taken(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A real vLLM DP replica over two nodes whose headless rank's layout replay port (P + 3000 + 1) is taken: that
+    node hands it to vLLM to pick, the head's /kv_event_sources reports what rank 1 bound, and the head's discovery
+    entry lists it (the replica serves, so rank 1 started)."""
+    pytest.importorskip("vllm")
+    from llmd.models.tiny import make_tiny
+
+    model = make_tiny(tmp_path_factory.mktemp("models") / "tiny", weights=True)
+    port = pool_port(1, 2)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: fabric-vllm-dp\nmodel:\n  path: {model}\n  served_name: tiny\n  block_size: 32\n  max_model_len: 1024\n"
+        f"prefill:\n  nodes: 0\ndecode:\n  nodes: 2\n  dp_size: 2\n  gpus_per_node: 1\n  port: {port}\n"
+        '  max_num_seqs: 8\n  extra_args: ["--enforce-eager", "--kv-cache-memory-bytes", "134217728"]\n'
+        "kv:\n  gpu_memory_fraction: 0.25\nengine:\n  kind: vllm\n  startup_timeout_s: 400\n"
+        '  env:\n    HF_HUB_OFFLINE: "1"\n'
+    )
+    run_dir = tmp_path / "run"
+    cmd = [str(MPIEXEC), "-n", "2", *fabric_cmd(spec, run_dir), "--no-preflight"]
+    with socket.socket() as squat:
+        squat.bind(("127.0.0.1", port + 3001))
+        squat.listen()
+        _serve_and_stop(cmd, run_dir, 1, tmp_path / "stderr.txt")
+    (entry,) = _entries(run_dir / "discovery.json")
+    head, rank1 = entry["kv_events_replay_endpoints"]
+    assert head == f"tcp://127.0.0.1:{port + 3000}", "free at rank 0: the layout's"
+    assert rank1.startswith("tcp://127.0.0.1:") and rank1 != f"tcp://127.0.0.1:{port + 3001}", entry
 
 
 def _slurm_problem() -> str | None:

@@ -15,7 +15,11 @@ environment; launchers (Slurm, local) only place and run them. Ports come from `
   llmd.fabric.settle on a cluster, llmd.engines.vllm_deploy on one machine).
 - KV events: one config per replica: the publisher on `tcp://*:0` (a free port per rank on the node's address, read
   back from /kv_event_sources), the replay endpoint on the layout's rank-0 port, to which vLLM adds the DP rank itself
-  (`offset_endpoint_port`), which is the layout's "+ rank".
+  (`offset_endpoint_port`, with the replica-wide rank, a headless node's too), which is the layout's "+ rank". Where
+  a rank's replay port is taken on its node, the launcher hands it to vLLM as `tcp://*:0` (a headless node's too:
+  llmd.engines.vllm_server.move_taken_kv_ports); a head's /kv_event_sources reports every rank's bound endpoints,
+  its headless nodes' included (each engine core sends its resolved config in its ready message to the head's engine
+  client), and that is what the head publishes.
 - NIXL side channel: VLLM_NIXL_SIDE_CHANNEL_PORT (`SIDE_CHANNEL_ENV`) is the layout's rank-0 port; vLLM 0.32 adds the
   replica-wide DP rank itself (`data_parallel_index`, a headless node's ranks included) and listens there on the
   node's VLLM_NIXL_SIDE_CHANNEL_HOST. Each process's base is settled before any engine starts, on its own node (the

@@ -7,11 +7,12 @@ directly with the same flags.
 Bind first, then read (vLLM 0.32): `--port 0` binds any free port before the engine starts (its log then says ":0"),
 so the port is read from the process's own listening sockets (`listening_ports`, /proc) and confirmed with the run id
 (`wait_bound_http`). KV events `tcp://*:0` (PUB and replay) bind a free port on VLLM_HOST_IP and vLLM serves what
-they bound on /kv_event_sources (`bound_kv_sources`). The NIXL side channel and the DP RPC port cannot take 0 (vLLM
-advertises the configured side-channel port to its peers, not the bound one; the RPC port is dialled by other nodes),
-so the launchers choose free ones by a probe before any engine starts, all of a host's together (`choose_bases`), and
-a side channel taken since is moved once more (`move_taken_ports`). Probes are racy; a start that loses that race
-exits with EADDRINUSE (`address_in_use`) and is started again where the launcher can.
+they bound on /kv_event_sources (`bound_kv_sources`; a head's lists every rank's, its headless nodes' too). The NIXL
+side channel and the DP RPC port cannot take 0 (vLLM advertises the configured side-channel port to its peers, not
+the bound one; the RPC port is dialled by other nodes), so the launchers choose free ones by a probe before any engine
+starts, all of a host's together (`choose_bases`), and a server's side channel taken since is moved once more
+(`move_taken_ports`). Probes are racy; a start that loses that race exits with EADDRINUSE (`address_in_use`) and is
+started again where the launcher can.
 """
 
 from __future__ import annotations
@@ -294,35 +295,46 @@ def move_taken_ports(
     argv: Sequence[str], env: Mapping[str, str], host: str, ranks: Sequence[int] = (0,), *, every: bool = False
 ) -> tuple[list[str], dict[str, str]]:
     """`argv` and `env` of a vLLM launch with each port that is taken on `host` now (every port, with `every`: after
-    an EADDRINUSE exit) moved: HTTP to `--port 0`, KV events and replay to `tcp://*:0` on VLLM_HOST_IP (vLLM binds a
-    free one and reports it), the NIXL side channel to free ones found by a probe. `ranks`: the DP ranks the process
-    runs (vLLM adds the rank to the KV-event and side-channel ports). Read back with `wait_bound_http`,
-    `bound_kv_sources` and `side_channel_ports`."""
-    argv, env = list(argv), dict(env)
+    an EADDRINUSE exit) moved: HTTP to `--port 0`, KV events and replay as `move_taken_kv_ports` does, the NIXL side
+    channel to free ones found by a probe. `ranks`: the DP ranks the process runs (vLLM adds the rank to the
+    KV-event and side-channel ports). Read back with `wait_bound_http`, `bound_kv_sources` and `side_channel_ports`."""
+    argv, env = move_taken_kv_ports(argv, env, host, ranks, every=every)
     port = _flag(argv, "--port")
     if port is not None and int(port) and (every or not port_free(host, int(port))):
         argv[argv.index("--port") + 1] = "0"
-    events = _flag(argv, "--kv-events-config")
-    if events is not None:
-        config = json.loads(events)
-        moved = False
-        for key in ("endpoint", "replay_endpoint"):
-            where = config.get(key)
-            if not where or not where.startswith("tcp://"):
-                continue
-            p = int(where.rsplit(":", 1)[1])
-            if p and (every or not all(port_free(host, p + r) for r in ranks)):
-                config[key] = "tcp://*:0"
-            moved |= config[key] == "tcp://*:0"
-        if moved:
-            argv[argv.index("--kv-events-config") + 1] = json.dumps(config, separators=(",", ":"))
-            env.setdefault("VLLM_HOST_IP", host)
     side = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
     if side is not None:
         p = int(side)
         if not p or every or not all(port_free(host, p + r) for r in ranks):
             span = max(ranks) - min(ranks) + 1
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_run(host, span) - min(ranks))
+    return argv, env
+
+
+def move_taken_kv_ports(
+    argv: Sequence[str], env: Mapping[str, str], host: str, ranks: Sequence[int] = (0,), *, every: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """`move_taken_ports` for the KV-event PUB and replay sockets alone: each endpoint one of whose ports (its own +
+    each of `ranks`) is taken on `host` now (every one, with `every`) becomes `tcp://*:0` with VLLM_HOST_IP `host`, so
+    vLLM binds a free port there and reports it. All a headless node moves: it serves no HTTP, and its side channel
+    was agreed with the other nodes (llmd.fabric.settle); its head's /kv_event_sources reports what it bound."""
+    argv, env = list(argv), dict(env)
+    events = _flag(argv, "--kv-events-config")
+    if events is None:
+        return argv, env
+    config = json.loads(events)
+    moved = False
+    for key in ("endpoint", "replay_endpoint"):
+        where = config.get(key)
+        if not where or not where.startswith("tcp://"):
+            continue
+        p = int(where.rsplit(":", 1)[1])
+        if p and (every or not all(port_free(host, p + r) for r in ranks)):
+            config[key] = "tcp://*:0"
+        moved |= config[key] == "tcp://*:0"
+    if moved:
+        argv[argv.index("--kv-events-config") + 1] = json.dumps(config, separators=(",", ":"))
+        env.setdefault("VLLM_HOST_IP", host)
     return argv, env
 
 

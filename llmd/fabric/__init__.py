@@ -27,11 +27,12 @@ single process without a launcher (1 node). It
    headless nodes too): the layout's where free there, else (or with `port: auto`) a free one, the first node at each
    address choosing for every node at it; one allgather tells every node, the replica head's discovery entry lists
    each rank's side-channel port, and rank 0 writes the plan again if a port changed.
-4. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's
-   address; vllm: llmd.engines.vllm.vllm_launches with addresses resolved), logs in DIR/logs/engines/<name>.log,
-   waits for /health, then appends the node's entries to DIR/discovery.json (llmd.discovery: locked, atomic;
-   the router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the task
-   exit with the engine's status (128+signal if killed), its log tail on stderr and, as the last line,
+4. starts this node's engine processes (engine.kind sim: `llmd engine sim` on the layout's ports and the node's address;
+   vllm: llmd.engines.vllm.vllm_launches with addresses resolved, each port taken on the node handed to vLLM to pick, a
+   headless node's KV-event ports too, never its agreed side channel), logs in DIR/logs/engines/<name>.log, waits for
+   /health, then appends the node's entries, with the ports bound, to DIR/discovery.json (llmd.discovery: locked,
+   atomic; the router reloads it on mtime). SIGTERM/SIGINT stop the engines and exit 0; an engine that dies makes the
+   task exit with the engine's status (128+signal if killed), its log tail on stderr and, as the last line,
    `<name>: engine exited with code <rc>`, so `srun --kill-on-bad-exit` ends the job with a cause to report (under
    mpiexec only that rank ends: MPI is finalised by then, and hydra lets finalised ranks exit as they like). Engines
    get PDEATHSIG: a task killed outright (SIGKILL, OOM) takes its engines with it.

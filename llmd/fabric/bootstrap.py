@@ -26,6 +26,7 @@ from typing import Any
 
 from llmd import runid
 from llmd.children import die_with_parent
+from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
@@ -205,29 +206,30 @@ def _start(proc: EngineProcess, log_dir: Path) -> tuple[subprocess.Popen, Path]:
 
 
 def _bind_first(proc: EngineProcess) -> EngineProcess:
-    """A vLLM server's ports that are taken on this node (all, with `port: auto`) handed to vLLM to pick
-    (llmd.engines.vllm_server.move_taken_ports); what it bound is read back by _wait_bound. Its side channel was
-    settled with the other nodes (llmd.fabric.settle): it moves only if it was taken since."""
-    from llmd.engines.vllm_server import move_taken_ports
+    """A vLLM process's ports that are taken on this node (all, with `port: auto`) handed to vLLM to pick
+    (llmd.engines.vllm_server.move_taken_ports). A server's bound ports are read back by _wait_bound; a headless
+    node's KV-event sockets are reported by its head's /kv_event_sources, with every rank's, and published from there.
+    Side channels were settled with the other nodes (llmd.fabric.settle): a server's moves only if it was taken since
+    (it publishes its own ranks' ports itself); a headless node's never does, as its head publishes the agreed one."""
+    from llmd.engines.vllm_server import move_taken_kv_ports, move_taken_ports
 
     host = proc.argv[proc.argv.index("--host") + 1]
-    argv, env = move_taken_ports(proc.argv, proc.env, host, _dp_ranks(proc))
+    move = move_taken_kv_ports if proc.health_url is None else move_taken_ports
+    argv, env = move(proc.argv, proc.env, host, _dp_ranks(proc))
     return replace(proc, argv=argv, env=env)
 
 
 def _dp_ranks(proc: EngineProcess) -> list[int]:
-    """The DP ranks vLLM adds to the rank-0 ports it is given (KV events, NIXL side channel): those the process runs
-    (replica-wide: a per-rank server's own, a head's local ones; the ranks of its headless nodes listen there)."""
+    """The DP ranks vLLM adds to the rank-0 ports it is given (KV events, NIXL side channel): those the process runs,
+    replica-wide (a per-rank server's own, a head's local ones, a headless node's from its start rank on)."""
     return proc.ranks or [0]
 
 
 def _wait_bound(
     proc: EngineProcess, child: subprocess.Popen, children: list[subprocess.Popen], timeout: float, log: Path
-) -> list[Any]:
+) -> list[PodInfo]:
     """Wait for `proc` to answer as this run's; its discovery entries with the ports it really bound."""
-    from llmd.discovery import with_bound_ports
-    from llmd.engines.vllm_server import required_kv_sources, wait_bound_http, wait_healthy
-    from llmd.fabric.side_channel import published_ports
+    from llmd.engines.vllm_server import wait_bound_http, wait_healthy
 
     run_id = runid.from_env()
     port = int(proc.argv[proc.argv.index("--port") + 1])
@@ -238,14 +240,22 @@ def _wait_bound(
         host = proc.argv[proc.argv.index("--host") + 1]
         others = [c for c in children if c is not child]
         port = wait_bound_http(child, host, timeout, log, name=proc.name, run_id=run_id, others=others)
-    out = []
-    for entry in proc.discovery:
-        url = entry.url.rsplit(":", 1)[0] + f":{port}"
-        bound: dict[str, Any] = {"http_port": port, **required_kv_sources(url, proc.name)}
-        if entry.side_channel_port is not None:
-            bound["side_channel_ports"] = published_ports(entry, proc.env, _dp_ranks(proc))
-        out.append(with_bound_ports(entry, bound))
-    return out
+    return [_bound_entry(proc, entry, port) for entry in proc.discovery]
+
+
+def _bound_entry(proc: EngineProcess, entry: PodInfo, port: int) -> PodInfo:
+    """`entry` as published once `proc` serves on `port`: the KV-event endpoints of every DP rank it fronts as its
+    /kv_event_sources reports them (a head's engine client has every rank's, those its headless nodes run too), and
+    each rank's side channel (llmd.fabric.side_channel.published_ports)."""
+    from llmd.discovery import with_bound_ports
+    from llmd.engines.vllm_server import required_kv_sources
+    from llmd.fabric.side_channel import published_ports
+
+    url = entry.url.rsplit(":", 1)[0] + f":{port}"
+    bound: dict[str, Any] = {"http_port": port, **required_kv_sources(url, proc.name)}
+    if entry.side_channel_port is not None:
+        bound["side_channel_ports"] = published_ports(entry, proc.env, _dp_ranks(proc))
+    return with_bound_ports(entry, bound)
 
 
 def _exit_code(returncode: int) -> int:
@@ -268,7 +278,7 @@ def serve(args: argparse.Namespace, spec: Any, plan: NodePlan) -> int:
             if engine_kind(spec.engine.kind).streams_metrics and proc.health_url is not None:
                 # Each simulated engine streams its per-second series into the run folder's engine files.
                 proc = replace(proc, argv=[*proc.argv, "--metrics-out", str(engine_metrics_path(run_dir, proc.name))])
-            if not engine_kind(spec.engine.kind).simulated and proc.health_url is not None:
+            if not engine_kind(spec.engine.kind).simulated:
                 proc = _bind_first(proc)
             child, log = _start(proc, log_dir)
             started.append((proc, child, log))

@@ -2,7 +2,8 @@
 node with one allgather: each DP replica's `--data-parallel-rpc-port` (llmd.fabric.dp_rpc), which the head binds and
 its other nodes dial, and every process's NIXL side-channel base (llmd.fabric.side_channel), which a replica's head
 publishes for the ranks its headless nodes run too. Every other port vLLM binds as 0 and reports (`port: auto`, or a
-taken layout port: llmd.engines.vllm_server.move_taken_ports), so it needs no agreement.
+taken layout port: llmd.engines.vllm_server.move_taken_ports), so it needs no agreement: a headless node's KV-event
+ports too, which its head's /kv_event_sources reports with every rank's.
 
 A layout port is kept where it is free on the node that binds it, else (and with `port: auto`, whose layout ports are
 0) a free one is probed there. One node per address probes for every node at that address, all of their ports
