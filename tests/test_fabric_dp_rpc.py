@@ -5,14 +5,15 @@ process of the replica. The side channel, settled in the same step: tests/test_f
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from fabricutil import agree
+
 from llmd.engines.vllm import dp_rpc_port_of
 from llmd.engines.vllm_server import port_free
-from llmd.fabric.comm import FileComm, LocalComm
+from llmd.fabric.comm import LocalComm
 from llmd.fabric.dp_rpc import dp_rpc_ports, with_dp_rpc_ports
 from llmd.fabric.plan import NodePlan, plan_nodes
 from llmd.fabric.settle import agree_ports, choose_ports
@@ -79,19 +80,9 @@ def test_auto_with_dp_2_passes_the_check_and_every_node_agrees_on_a_port(tmp_pat
     spec = vllm_spec("auto")  # once refused: "auto" was for dp_size 1 only
     plans = plan_nodes(spec, "decode", ["a", "b", "c", "d"], [LOCAL] * 4)
     assert {port for _, port in rpc_ports_by_process(plans)} == {0}, "the layout leaves it to the launcher"
-    got: dict[int, list[NodePlan]] = {}
-
-    def node(rank: int) -> None:
-        got[rank] = agree_ports(FileComm(tmp_path, rank, 4), plans, rank)
-
-    threads = [threading.Thread(target=node, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(got) == [0, 1, 2, 3] and all(got[r] == got[0] for r in got), "every node holds the same plans"
-    ports = dict(rpc_ports_by_process(got[0]))  # one port per replica: the same on its head and its headless node
-    assert len(rpc_ports_by_process(got[0])) == 4 and len(set(rpc_ports_by_process(got[0]))) == 2
+    agreed = agree(tmp_path, plans)
+    ports = dict(rpc_ports_by_process(agreed))  # one port per replica: the same on its head and its headless node
+    assert len(rpc_ports_by_process(agreed)) == 4 and len(set(rpc_ports_by_process(agreed))) == 2
     assert all(0 < port < 65536 for port in ports.values())
 
 

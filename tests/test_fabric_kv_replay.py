@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fabricutil import agree
 from test_fabric_side_channel import HEAD, OTHER, head_entry, pd_spec
 
 from llmd.engines.vllm_server import port_free
 from llmd.fabric.bootstrap import _bind_first, _bound_entry, _dp_ranks
-from llmd.fabric.comm import FileComm
 from llmd.fabric.plan import EngineProcess, NodePlan, plan_nodes
-from llmd.fabric.settle import agree_ports
 from llmd.fabric.side_channel import ENV, published_ports
 from llmd.kv.events import is_replay_end, replay_request
 
@@ -43,22 +42,6 @@ def other_flags(proc: EngineProcess) -> list[str]:
     """`proc`'s argv without its KV-events config."""
     i = proc.argv.index("--kv-events-config")
     return proc.argv[:i] + proc.argv[i + 2 :]
-
-
-def agree(tmp_path: Path, plans: list[NodePlan]) -> list[NodePlan]:
-    """The nodes' one allgather, each node a thread (FileComm stands in for MPI)."""
-    got: dict[int, list[NodePlan]] = {}
-
-    def node(rank: int) -> None:
-        got[rank] = agree_ports(FileComm(tmp_path, rank, len(plans)), plans, rank)
-
-    threads = [threading.Thread(target=node, args=(r,)) for r in range(len(plans))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(got) == list(range(len(plans))) and all(got[r] == got[0] for r in got)
-    return got[0]
 
 
 @contextmanager

@@ -6,18 +6,18 @@ headless node runs too."""
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from fabricutil import agree
 
 from llmd.discovery import with_bound_ports
 from llmd.engines.vllm import dp_rpc_port_of
 from llmd.engines.vllm_server import port_free
 from llmd.fabric.bootstrap import _dp_ranks
-from llmd.fabric.comm import FileComm
 from llmd.fabric.plan import NodePlan, plan_nodes
-from llmd.fabric.settle import agree_ports, choose_ports
+from llmd.fabric.settle import choose_ports
 from llmd.fabric.side_channel import ENV, published_ports, side_channel_bases, with_side_channel_bases
 from llmd.spec import parse_spec
 from llmd.spec.model import DeploymentSpec
@@ -94,18 +94,7 @@ def test_auto_with_pd_and_dp_2_over_two_nodes_passes_the_check_and_the_nodes_agr
     addresses = [HEAD, OTHER, HEAD, OTHER]  # the two replicas' heads share HEAD, their headless nodes OTHER
     plans = plan_nodes(spec, "decode", ["a", "b", "c", "d"], addresses)
     assert set(side_channel_bases(plans).values()) == {0}, "the layout leaves them to the launcher"
-    got: dict[int, list[NodePlan]] = {}
-
-    def node(rank: int) -> None:
-        got[rank] = agree_ports(FileComm(tmp_path, rank, 4), plans, rank)
-
-    threads = [threading.Thread(target=node, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(got) == [0, 1, 2, 3] and all(got[r] == got[0] for r in got), "every node holds the same plans"
-    agreed = got[0]
+    agreed = agree(tmp_path, plans)
     listens = {p.name: [int(p.env[ENV]) + r for r in p.ranks] for plan in agreed for p in plan.processes}
     assert all(0 < port < 65536 for ports in listens.values() for port in ports)
     for replica in (0, 1):
