@@ -35,9 +35,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from _report import info, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
 from peers import peers_python, router_cmd  # noqa: E402
 
-from llmd.engines.vllm_server import wait_healthy  # noqa: E402
+from llmd.engines.vllm_server import EngineStartError, wait_healthy  # noqa: E402
 from llmd.kv.hashing import BlockHasher, event_hash  # noqa: E402
 from llmd.kv.index import KVIndex  # noqa: E402
 from llmd.models.tiny import make_tiny  # noqa: E402
@@ -246,6 +250,25 @@ def free_base() -> int:
         return 10000 + (s.getsockname()[1] % 1500) * 10
 
 
+def base_of(urls: list[str]) -> int:
+    return int(urls[0].rsplit(":", 1)[1])
+
+
+def on_free_ports(write: Callable[[int], list[str]], start: Callable[[list[str]], T]) -> tuple[int, list[str], T]:
+    """`start` the engines of the spec `write(base)` writes, again on other ports if they cannot come up: the layout's
+    ports are picked free but bound later, and on a shared machine another process can take one in between."""
+    for attempt in range(3):
+        base = free_base()
+        urls = write(base)
+        try:
+            return base, urls, start(urls)
+        except EngineStartError:
+            if attempt == 2:
+                raise
+            info("port_taken", f"engines at {urls[0]}.. did not come up; again on other ports")
+    raise AssertionError("unreachable")
+
+
 def pinned(cmd: list[str], cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu), *cmd] if hasattr(os, "sched_setaffinity") else cmd
 
@@ -372,15 +395,14 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
     """router_req_per_s (llmd precise) and its ratio to sglang-router's on the same engines: each router in turn,
     started afresh, in alternating order round by round (the machine is shared; its speed drifts), and the median of
     the rounds' ratios."""
-    base = free_base()
     spec = tmp / "rps.yaml"
-    urls = write_spec(spec, model, base, 4, 16, None)
     peers = peers_python()
     routers = [r for r in THROUGHPUT_ROUTERS if r[1] == "llmd" or peers is not None]
     rps: dict[str, list[float]] = {label: [] for label, _, _ in routers}
     cpu: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # router CPU seconds per request
     # sglang-router probes each worker for HTTP/2 (gRPC) at start; the engines log the refusals: to a file.
-    engines = start_engines(spec, urls, tmp / "rps-engines.log")
+    base, urls, engines = on_free_ports(lambda b: write_spec(spec, model, b, 4, 16, None),
+                                        lambda u: start_engines(spec, u, tmp / "rps-engines.log"))  # fmt: skip
     try:
         for r in range(rounds):
             order = routers if r % 2 == 0 else routers[::-1]
@@ -482,11 +504,10 @@ def hit_rates(model: Path, tmp: Path) -> None:
     rates: dict[str, float] = {}
     orders = {}
     for policy in POLICIES:
-        base = free_base()
         spec = tmp / f"hit-{policy}.yaml"
         # ~1,400 blocks of 16 tokens per engine: sticky routing keeps each engine's sessions; spraying cannot.
-        urls = write_spec(spec, model, base, 8, HIT_BLOCK, GPU_BLOCKS)
-        stack = Stack(spec, policy, base - 100, urls)
+        _, _, stack = on_free_ports(lambda b, s=spec: write_spec(s, model, b, 8, HIT_BLOCK, GPU_BLOCKS),
+                                    lambda u, s=spec, p=policy: Stack(s, p, base_of(u) - 100, u))  # fmt: skip
         try:
             prompt_tokens, cached, order = asyncio.run(run_workload(stack.url, clients, f"[{policy}] "))
         finally:
