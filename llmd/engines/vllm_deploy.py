@@ -56,7 +56,7 @@ from llmd.engines.vllm import (
 from llmd.engines.vllm_server import (
     EngineStartError,
     address_in_use,
-    choose_bases,
+    choose_probed_ports,
     free_run,
     log_tail,
     move_taken_ports,
@@ -196,28 +196,20 @@ def pods_of(spec: DeploymentSpec, launches: Iterable[EngineLaunch], mode: Launch
 
 
 def settle_ports(launches: Iterable[EngineLaunch]) -> list[EngineLaunch]:
-    """The launches with their probed ports chosen together on this machine (llmd.engines.vllm_server.choose_bases):
-    one DP RPC port per replica and each launch's NIXL side-channel base, the layout's where free here, else (and for
-    0, `port: auto`, which vLLM refuses for both) a free one that no other launch got. A probe, so racy: see
-    `VllmDeployment._move_dp_rpc_port` for a start that loses."""
+    """The launches with their probed ports chosen together on this machine
+    (llmd.engines.vllm_server.choose_probed_ports): one DP RPC port per replica and each launch's NIXL side-channel
+    base, the layout's where free here, else (and for 0, `port: auto`, which vLLM refuses for both) a free one that no
+    other launch got. A probe, so racy: see `VllmDeployment._move_dp_rpc_port` for a start that loses."""
     launches = list(launches)
-    rpc: dict[tuple[str, int], int] = {}
-    side: dict[int, tuple[int, list[int]]] = {}
-    for i, launch in enumerate(launches):
-        port = dp_rpc_port_of(launch.argv)
-        if port is not None:
-            rpc.setdefault((launch.role, launch.replica), port)
-        if SIDE_CHANNEL_ENV in launch.env:
-            side[i] = (int(launch.env[SIDE_CHANNEL_ENV]), launch.ranks or [0])
-    chosen = choose_bases(LOCALHOST, [(port, [0]) for port in rpc.values()] + list(side.values()))
-    n = len(rpc)
-    rpc_port = dict(zip(rpc, chosen[:n], strict=True))
-    side_base = dict(zip(side, chosen[n:], strict=True))
+    rpc_port, side_base = choose_probed_ports(
+        LOCALHOST, [((x.role, x.replica), x.argv, x.env, x.ranks, True) for x in launches]
+    )
     out = []
     for i, launch in enumerate(launches):
         port = rpc_port.get((launch.role, launch.replica))
         argv = with_dp_rpc_port(launch.argv, port) if port is not None else launch.argv
-        env = {**launch.env, SIDE_CHANNEL_ENV: str(side_base[i])} if i in side_base else launch.env
+        base = side_base[i]
+        env = launch.env if base is None else {**launch.env, SIDE_CHANNEL_ENV: str(base)}
         out.append(replace(launch, argv=argv, env=env))
     return out
 

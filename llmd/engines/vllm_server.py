@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -285,6 +285,31 @@ def choose_bases(host: str, wants: Sequence[tuple[int, Sequence[int]]]) -> list[
         given |= ports
         out.append(base)
     return out
+
+
+# One process for choose_probed_ports: (its replica's key, argv, env, the DP ranks it runs, whether it binds the
+# replica's DP RPC port rather than dialling it).
+ProbedProcess = tuple[Hashable, Sequence[str], Mapping[str, str], Sequence[int], bool]
+
+
+def choose_probed_ports(host: str, procs: Sequence[ProbedProcess]) -> tuple[dict[Hashable, int], list[int | None]]:
+    """The ports vLLM cannot bind as 0 of the processes on `host`, chosen together (`choose_bases`): each replica's DP
+    RPC port (asked for by the processes that bind it) and each process's NIXL side-channel base (None for a process
+    without one). Returns (RPC port by replica key, side-channel base per process, in order)."""
+    from llmd.engines.vllm import SIDE_CHANNEL_ENV, dp_rpc_port_of
+
+    rpc: dict[Hashable, int] = {}
+    side: dict[int, tuple[int, list[int]]] = {}
+    for i, (replica, argv, env, ranks, binds_rpc) in enumerate(procs):
+        port = dp_rpc_port_of(list(argv))
+        if port is not None and binds_rpc:
+            rpc.setdefault(replica, port)
+        if SIDE_CHANNEL_ENV in env:
+            side[i] = (int(env[SIDE_CHANNEL_ENV]), list(ranks) or [0])
+    chosen = choose_bases(host, [(port, [0]) for port in rpc.values()] + list(side.values()))
+    n = len(rpc)
+    bases = dict(zip(side, chosen[n:], strict=True))
+    return dict(zip(rpc, chosen[:n], strict=True)), [bases.get(i) for i in range(len(procs))]
 
 
 def _flag(argv: list[str], flag: str) -> str | None:

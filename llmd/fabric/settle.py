@@ -23,10 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmd.engines.vllm import dp_rpc_port_of
 from llmd.fabric.dp_rpc import Replica, dp_rpc_ports, with_dp_rpc_ports
 from llmd.fabric.plan import NodePlan
-from llmd.fabric.side_channel import side_channel_base, side_channel_bases, with_side_channel_bases
+from llmd.fabric.side_channel import side_channel_bases, with_side_channel_bases
 
 if TYPE_CHECKING:
     from llmd.fabric.comm import Comm
@@ -37,26 +36,17 @@ Choice = tuple[dict[Replica, int], dict[str, int]]  # (DP RPC port by replica, s
 def choose_ports(plans: Sequence[NodePlan], index: int) -> Choice:
     """On node `index`: the DP RPC port of each replica headed at its address and the side-channel base of each
     process there, if it is the first node at that address (else nothing: that one chooses for it)."""
-    from llmd.engines.vllm_server import choose_bases
+    from llmd.engines.vllm_server import choose_probed_ports
 
     host = plans[index].address
     if any(plan.address == host for plan in plans[:index]):
         return {}, {}
-    rpc_wants: dict[Replica, int] = {}
-    side_wants: dict[str, tuple[int, list[int]]] = {}
-    for plan in plans:
-        if plan.address != host:
-            continue
-        for proc in plan.processes:
-            port = dp_rpc_port_of(proc.argv)
-            if port is not None and plan.node_in_replica == 0:  # the head binds it, the other nodes dial it
-                rpc_wants.setdefault((plan.role, plan.replica), port)
-            base = side_channel_base(proc)
-            if base is not None:
-                side_wants[proc.name] = (base, proc.ranks or [0])
-    chosen = choose_bases(host, [(port, [0]) for port in rpc_wants.values()] + list(side_wants.values()))
-    n = len(rpc_wants)
-    return dict(zip(rpc_wants, chosen[:n], strict=True)), dict(zip(side_wants, chosen[n:], strict=True))
+    # The head binds a replica's RPC port, its other nodes dial it.
+    here = [(plan, proc) for plan in plans if plan.address == host for proc in plan.processes]
+    rpc, bases = choose_probed_ports(
+        host, [((plan.role, plan.replica), p.argv, p.env, p.ranks, plan.node_in_replica == 0) for plan, p in here]
+    )
+    return rpc, {p.name: base for (_, p), base in zip(here, bases, strict=True) if base is not None}
 
 
 def agree_ports(comm: Comm, plans: Sequence[NodePlan], index: int) -> list[NodePlan]:

@@ -42,13 +42,16 @@ def with_side_channel_bases(plans: Sequence[NodePlan], bases: Mapping[str, int])
     plans = [
         replace(plan, processes=[_with_base(proc, bases.get(proc.name)) for proc in plan.processes]) for plan in plans
     ]
+    replicas = {(q.role, q.replica) for q in plans}
     ports_of = {
-        r: rank_side_channel_ports((p.env, p.ranks or [0]) for q in plans if q.replica == r for p in q.processes)
-        for r in {q.replica for q in plans}
+        r: rank_side_channel_ports(
+            (p.env, p.ranks or [0]) for q in plans if (q.role, q.replica) == r for p in q.processes
+        )
+        for r in replicas
     }
     out = []
     for plan in plans:
-        ports = ports_of[plan.replica]
+        ports = ports_of[(plan.role, plan.replica)]
         procs = [replace(p, discovery=[_with_rank_ports(e, ports) for e in p.discovery]) for p in plan.processes]
         out.append(replace(plan, processes=procs))
     return out
