@@ -291,6 +291,38 @@ def test_approximate_cache_gpu_then_cpu_prefix() -> None:
     assert cache.match(A.holder, a) == (7, 4)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_approximate_matches_equal_each_holders_own_match(seed: int) -> None:
+    """`matches` tries each holder at the previous holder's answer before searching: whatever was routed, spilled
+    to CPU, dropped, resized or forgotten, it must give exactly what each holder's own search gives, and a search
+    from any hint what one from none gives."""
+    rng = random.Random(seed)
+    cache = ApproxPrefixCache(chunk_chars=256, chars_per_token=4.0)  # 1 chunk per block
+    system = blocks(rng.randint(1, 6), 1)
+    sessions = [system + blocks(rng.randint(0, 12), 100 + k) for k in range(6)]
+    holders = [ep(f"p{i}", rank=rank).holder for i in range(5) for rank in range(2)]
+    for _ in range(rng.randint(1, 40)):
+        op = rng.random()
+        h = rng.choice(holders)
+        if op < 0.75:
+            k = rng.randrange(len(sessions))
+            chain = sessions[k]
+            # A turn's growth: chunks of this session's own (chained hashes name the whole text before them).
+            growth = blocks(rng.randint(0, 4), 1000 + 10 * k + rng.randint(0, 2)) if rng.random() < 0.3 else []
+            grown = chain + growth
+            cache.record(h, grown[: rng.randint(1, len(grown))], rng.randint(1, 20), rng.choice((0, 0, 5, 30)), BS)
+        elif op < 0.9:
+            cache.forget_pod(h[0])
+        for chain in [*sessions, blocks(3, 7), system[:1]]:
+            want = {x: cache.match(x, chain) for x in holders if cache.match(x, chain)[0] > 0}
+            assert cache.matches(chain) == want
+            for x, got in want.items():
+                lru = cache._lrus[x]
+                for hint in ((0, 0), got, (got[0] + 1, got[1]), (got[0], max(0, got[1] - 1)), (len(chain), 1)):
+                    assert lru.match(chain, hint) == got, hint
+
+
 # --- speculative index ----------------------------------------------------------------------------------------------
 
 
