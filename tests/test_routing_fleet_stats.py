@@ -5,28 +5,18 @@ are known."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pandas as pd
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchutil import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def fleet() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("routing_fleet", ROOT / "benchmarks" / "routing_fleet.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["routing_fleet"] = mod  # its dataclasses resolve their annotations there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("routing_fleet")
 
 
 def rows(ends: np.ndarray, hit: np.ndarray | float = 0.5) -> pd.DataFrame:

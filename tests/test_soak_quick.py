@@ -6,24 +6,14 @@ faults survived (the pod left routing and came back, requests were served after 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchutil import load_benchmark
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(420)
 def test_soak_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    soak = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = soak  # its dataclasses resolve their annotations there
-    spec.loader.exec_module(soak)
+    soak = load_benchmark("soak")
     out = soak.main(["--quick"])
     printed = capsys.readouterr().out
     assert out["requests"] > 50, printed
