@@ -36,6 +36,10 @@ class Fleet:
         self.roles = role_masks(self.endpoints)
         self.slot = {ep.holder: i for i, ep in enumerate(self.endpoints)}
         n = len(self.endpoints)
+        # Every routable pod is healthy, so `healthy` and each hop's routable positions are fixed for the fleet's
+        # life: built once here, not per decision (read-only, as every decision's columns share them).
+        self.healthy = _frozen(np.ones(n, dtype=bool))
+        self.routable = {hop: _frozen(np.flatnonzero(m)) for hop, m in self.roles.items()}
         self.inflight = np.zeros(n, I64)
         self.inflight_tokens = np.zeros(n, I64)
         self.kv_tokens = np.zeros(n, I64)
@@ -114,7 +118,7 @@ class RequestColumns(Columns):
         waiting, kv_usage, kv_capacity = fleet.gauges()
         if sel is None:
             endpoints, ranks, loads = fleet.endpoints, fleet.ranks, fleet.loads
-            roles, slot = fleet.roles, fleet.slot
+            roles, slot, healthy = fleet.roles, fleet.slot, fleet.healthy
             inflight, inflight_tokens, kv = fleet.inflight.copy(), fleet.inflight_tokens.copy(), fleet.kv_tokens.copy()
             waiting, kv_usage, kv_capacity = waiting.copy(), kv_usage.copy(), kv_capacity.copy()
         else:
@@ -125,10 +129,10 @@ class RequestColumns(Columns):
             roles, slot = {hop: m[sel] for hop, m in fleet.roles.items()}, None
             inflight, inflight_tokens, kv = fleet.inflight[sel], fleet.inflight_tokens[sel], fleet.kv_tokens[sel]
             waiting, kv_usage, kv_capacity = waiting[sel], kv_usage[sel], kv_capacity[sel]
-        n = len(endpoints)
+            healthy = np.ones(len(endpoints), dtype=bool)
         super().__init__(
             endpoints,
-            healthy=np.ones(n, dtype=bool),
+            healthy=healthy,
             waiting=waiting,
             kv_usage=kv_usage,
             inflight=inflight,
@@ -137,6 +141,8 @@ class RequestColumns(Columns):
             roles=roles,
             slot=slot,
         )
+        if sel is None:
+            self._routable.update(fleet.routable)
         self._ranks = ranks
         self.kv_tokens = kv  # KV in flight, before what this request shares
         self._loads = loads
@@ -147,6 +153,7 @@ class RequestColumns(Columns):
         self._sel = sel
         self._exact: dict[int, int] = {}
         self._states: dict[int, EndpointState] = {}
+        self._fits: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def inflight_kv(self, i: int) -> int:
         """inflight_kv_tokens at position i: the KV in flight there less this request's units held there, as far
@@ -175,13 +182,20 @@ class RequestColumns(Columns):
     def kv_fits(self, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
         """Columns.kv_fits, working out what the request shares only where the KV in flight without it does not
         fit (sharing only lowers it)."""
-        cap = self.kv_capacity_blocks[idx]
-        limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
-        ok = (cap <= 0) | (self.inflight[idx] <= 0) | (self.kv_tokens[idx] <= limit)
+        # A decision asks this twice with the same need (the core before scoring, then the kv-room filter): the
+        # test without sharing is worked out once, for every endpoint, and read at `idx`.
+        got = self._fits.get((need_tokens, block_size))
+        if got is None:
+            cap = self.kv_capacity_blocks
+            limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
+            loose = (cap <= 0) | (self.inflight <= 0) | (self.kv_tokens <= limit)
+            got = self._fits[(need_tokens, block_size)] = (loose, limit)
+        loose, limit = got
+        ok = loose[idx]  # fancy indexing: a fresh array, ours to change
         if self._unit and not ok.all():
             doubt = np.flatnonzero(~ok)
             at = idx[doubt]
-            ok[doubt] = self._inflight_kv(at) <= limit[doubt]
+            ok[doubt] = self._inflight_kv(at) <= limit[at]
         return ok
 
     def state(self, i: int) -> EndpointState:
@@ -202,3 +216,8 @@ class RequestColumns(Columns):
                 cpu_capacity_blocks=rank.cpu_capacity_blocks,
             )
         return got
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a

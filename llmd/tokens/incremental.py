@@ -45,6 +45,7 @@ _BACKOFF_WORDS = (4, 32, 256)
 # decide: a prompt takes the place of its own session's that it shares at least half with (the agent rewrote a tail).
 _REWRITE_SLACK = 64
 _SAME_SESSION_FRACTION = 0.5
+_NONE = array("i")  # the spans and words of a prompt that is not remembered: never read
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,9 +203,13 @@ class PromptCache:
             spliced = self._splice(base, text, common, replace)
             if spliced is None:
                 self.counts["fallbacks"] += 1
+        remember = len(text) >= _ANCHOR_MIN  # a shorter prompt is not found again (and cheap to tokenize whole)
         if spliced is None:
             enc = self._raw.encode(text, add_special_tokens=False)
-            ids, starts, words, k = array("i", enc.ids), _starts(enc.offsets, 0), _words(enc.word_ids), 0
+            ids, k = array("i", enc.ids), 0
+            # The spans and words serve only a later splice from a remembered prompt: reading them out of the
+            # encoding costs half as much again as tokenizing a short prompt.
+            starts, words = (_starts(enc.offsets, 0), _words(enc.word_ids)) if remember else (_NONE, _NONE)
             self.counts["full"] += 1
         else:
             ids, starts, words, k = spliced
@@ -217,7 +222,7 @@ class PromptCache:
             final.extend(post)
         hash_key = (special, cache_salt, lora)
         reuse, hashes, event_hashes = self._hash(base if k else None, len(pre) + k, final, hash_key)
-        if len(text) < _ANCHOR_MIN:  # too short to be found again (and cheap to tokenize whole)
+        if not remember:
             lineage = session or _lineage(text)
         else:
             entry = self._remember(base if replace else None, common, text, ids, starts, words, session)
