@@ -366,6 +366,11 @@ def paired_se(a: list[float], b: list[float]) -> float:
     return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
 
 
+def paired_ses(p: Result, o: Result) -> tuple[float, float]:
+    """(hit share, req/s) standard errors of the difference between two runs (req/s in simulated seconds)."""
+    return paired_se(p.hit_slices, o.hit_slices), paired_se(p.rate_slices, o.rate_slices) * TIME_SCALE
+
+
 def not_worse(p: Result, o: Result) -> bool:
     """Precise is >= `o` on hit share and req/s, a difference smaller than NOISE_SE paired standard errors counting
     as a tie: where two routers route alike (low pressure, every session fits its holder) their single runs differ
@@ -374,8 +379,7 @@ def not_worse(p: Result, o: Result) -> bool:
     def ge(a: float, b: float, se: float) -> bool:
         return a >= b - (0.0 if math.isnan(se) else NOISE_SE * se)
 
-    hit_se = paired_se(p.hit_slices, o.hit_slices)
-    rps_se = paired_se(p.rate_slices, o.rate_slices) * TIME_SCALE
+    hit_se, rps_se = paired_ses(p, o)
     return ge(p.hit_share, o.hit_share, hit_se) and ge(p.req_per_s, o.req_per_s, rps_se)
 
 
@@ -438,8 +442,7 @@ def targets(results: list[Result], shape_results: list[Result]) -> None:
                 strict_levels += all(p.hit_share >= o.hit_share and p.req_per_s >= o.req_per_s for o in _rivals(group))
                 for o in _rivals(group):
                     if not_worse(p, o) and (p.hit_share < o.hit_share or p.req_per_s < o.req_per_s):
-                        hit_se = paired_se(p.hit_slices, o.hit_slices)
-                        rps_se = paired_se(p.rate_slices, o.rate_slices) * TIME_SCALE
+                        hit_se, rps_se = paired_ses(p, o)
                         info(f"tie_within_noise{suffix}_x{_lv:g}",
                              f"precise - {o.policy}: hit {p.hit_share - o.hit_share:+.3f} (paired SE {hit_se:.3f}), "
                              f"req/s {p.req_per_s - o.req_per_s:+.1f} (paired SE {rps_se:.1f})")  # fmt: skip
