@@ -191,23 +191,57 @@ def _reference(ops: list[tuple[str, list[int], int, int]]) -> int:
     return shared + extra
 
 
-@pytest.mark.parametrize("seed", range(20))
+def _chain(rng: random.Random, chains: list[list[int]]) -> list[int]:
+    """A chain as a router's requests make them: a prefix of one seen before (a session's earlier turn, a shared
+    system prompt, a fork's parent, all of it, or nothing) and new units after it; sometimes the very same list."""
+    if chains and rng.random() < 0.15:
+        return rng.choice(chains)
+    base = rng.choice(chains) if chains and rng.random() < 0.8 else []
+    return base[: rng.randrange(0, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+
+
+@pytest.mark.parametrize("seed", range(30))
 def test_inflight_kv_counts_as_a_plain_per_unit_count(seed: int) -> None:
     rng = random.Random(seed)
     kv = InflightKV()
-    pool = [rng.getrandbits(64) for _ in range(60)]
+    chains: list[list[int]] = []
     live: list[tuple[list[int], int, int]] = []
     ops: list[tuple[str, list[int], int, int]] = []
-    units = (16,) if seed % 2 else (16, 16, 16, 9)  # odd seeds: block hashes; even: chunks whose unit changes
-    for _ in range(200):
+    # Odd seeds: block hashes (one unit size); even: chunks whose unit changes mid-way (the per-unit count from then).
+    units = (16,) if seed % 2 else (16, 16, 16, 9)
+    for _ in range(300):
         if live and rng.random() < 0.45:
             args = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.5:
+                args = (list(args[0]), *args[1:])  # an equal chain, not the one added
             kv.remove(*args)
             ops.append(("remove", *args))
         else:
-            hashes = pool[: rng.randrange(0, 40)] + rng.sample(pool, rng.randrange(0, 3))  # maybe a repeat
+            hashes = _chain(rng, chains)
+            chains.append(hashes)
             args = (hashes, rng.choice(units), rng.randrange(0, 100))
             kv.add(*args)
             live.append(args)
             ops.append(("add", *args))
         assert kv.tokens == _reference(ops)
+        held = _held(ops)
+        probe = _chain(rng, chains)
+        want = next((i for i, h in enumerate(probe) if h not in held), len(probe))
+        upto = rng.randrange(0, len(probe) + 1)
+        assert kv.held_prefix(probe) == want
+        assert kv.held_prefix(probe, 0, upto) == min(want, upto)
+        assert kv.shared_tokens(probe, 16, upto) == min(want, upto) * 16
+        if want:
+            start = rng.randrange(0, want + 1)
+            assert kv.held_prefix(probe, start) == want
+
+
+def _held(ops: list[tuple[str, list[int], int, int]]) -> set[int]:
+    refs: Counter[int] = Counter()
+    for op, hashes, _, _ in ops:
+        for h in hashes:
+            if op == "add":
+                refs[h] += 1
+            elif refs[h]:
+                refs[h] -= 1
+    return {h for h, c in refs.items() if c}
