@@ -25,6 +25,7 @@ from llmd.router.scheduling import (
     text_chunk_hashes,
 )
 from llmd.router.scheduling.approximate import ApproxPrefixCache
+from llmd.router.scheduling.chains import common_prefix
 from llmd.router.scheduling.load import KVUtilScorer, LoadAwareScorer, QueueScorer, TokenLoadScorer
 from llmd.router.scheduling.no_hit_lru import NoHitLRUScorer
 from llmd.router.scheduling.pd import (
@@ -433,6 +434,116 @@ def test_speculative_match_ids_is_match(seed, max_blocks) -> None:
         floor = {h: rng.randrange(0, 8) for h in rng.sample(holders, 4)}
         assert _match_by_ids(sp, req, at, floor) == sp.match(req, at, floor)
         assert _match_by_ids(sp, req, at, {}) == sp.match(req, at)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32))
+def test_common_prefix_of_two_chains_from_any_hint(seed) -> None:
+    rng = random.Random(seed)
+    base = [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))]
+    a = base[: rng.randrange(0, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 5))]
+    b = base[: rng.randrange(0, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 5))]
+    n = rng.randrange(0, min(len(a), len(b)) + 1)
+    want = next((i for i in range(n) if a[i] != b[i]), n)
+    for hint in (0, want, rng.randrange(0, n + 2)):
+        assert common_prefix(a, b, n, hint) == want
+
+
+class _NaiveSpeculative:
+    """What SpeculativeIndex means, block by block: a holder holds a block while an alive record of a request sent
+    there has it in its chain and has not expired; records leave when they expire (as pruned), when the bound drops
+    the oldest, or with their pod; settling brings one record's expiry forward."""
+
+    def __init__(self, ttl_s: float, max_blocks: int, settle_s: float) -> None:
+        self.ttl_s, self.max_blocks, self.settle_s = ttl_s, max_blocks, settle_s
+        self.records: list[dict] = []  # in insert order
+        self.open: dict[tuple, dict] = {}
+
+    def alive(self) -> list[dict]:
+        return [r for r in self.records if r["alive"]]
+
+    def prune(self, now: float) -> None:
+        for r in self.alive():
+            if r["exp"] <= now:
+                r["alive"] = False
+
+    def insert(self, holder, chain: list[int], now: float) -> None:
+        self.prune(now)
+        r = {"holder": holder, "chain": tuple(chain), "exp": now + self.ttl_s, "alive": True}
+        self.records.append(r)
+        self.open[(holder, now, len(chain), chain[-1])] = r
+        while sum(len(x["chain"]) for x in self.alive()) > self.max_blocks and len(self.alive()) > 1:
+            self.alive()[0]["alive"] = False
+
+    def settle(self, holder, chain: list[int], routed_at: float, now: float) -> None:
+        r = self.open.pop((holder, routed_at, len(chain), chain[-1]), None)
+        if r is not None and r["alive"]:
+            r["exp"] = min(r["exp"], now + self.settle_s)
+
+    def forget_pod(self, pod: str) -> None:
+        for r in self.alive():
+            if r["holder"][0] == pod:
+                r["alive"] = False
+
+    def match(self, req: list[int], now: float, floor: dict) -> dict:
+        out: dict = {}
+        for r in self.alive():
+            if r["exp"] > now:
+                n = 0
+                while n < min(len(req), len(r["chain"])) and req[n] == r["chain"][n]:
+                    n += 1
+                out[r["holder"]] = max(out.get(r["holder"], 0), n)
+        return {h: n for h, n in out.items() if n > floor.get(h, 0)}
+
+    def entries(self) -> int:
+        held: set = set()
+        for r in self.alive():
+            held.update((r["holder"], b) for b in r["chain"])
+        return len(held)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([60, 400, 1_000_000]))
+def test_speculative_index_is_its_block_by_block_meaning(seed, max_blocks) -> None:
+    """Inserts, settles, expiry, pruning, the block bound and forgotten pods: match and len as the naive model says,
+    for chains that share prefixes as sessions, bursts and the system prompt make them."""
+    rng = random.Random(seed)
+    sp = SpeculativeIndex(ttl_s=2.0, max_blocks=max_blocks, settle_s=0.1)
+    ref = _NaiveSpeculative(2.0, max_blocks, 0.1)
+    holders = [(f"p{k}", r) for k in range(3) for r in range(2)]
+    system = [rng.getrandbits(64) for _ in range(5)]
+    chains = [system]
+    sent: list[tuple] = []  # (holder, chain, routed_at) of inserts, for settles
+    now = 0.0
+    for _ in range(80):
+        now += rng.choice((0.0, 0.05, 0.1, 0.5, 1.5))
+        r = rng.random()
+        if r < 0.5:
+            base = rng.choice(chains)
+            chain = base[: rng.randrange(1, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+            chains.append(chain)
+            for holder in rng.sample(holders, rng.choice((1, 1, 2))):
+                sp.insert(holder, chain, now)
+                ref.insert(holder, chain, now)
+                sent.append((holder, chain, now))
+        elif r < 0.75 and sent:
+            holder, chain, at = rng.choice(sent)
+            sp.settle(holder, chain, at, now)
+            ref.settle(holder, chain, at, now)
+        elif r < 0.78:
+            pod = rng.choice(holders)[0]
+            sp.forget_pod(pod)
+            ref.forget_pod(pod)
+        elif r < 0.85:
+            sp.prune(now)
+            ref.prune(now)
+        assert len(sp) == ref.entries()
+        req = rng.choice(chains)
+        req = req[: rng.randrange(1, len(req) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 3))]
+        at = now + rng.choice((0.0, 0.05, 0.12, 1.0, 2.5))
+        floor = {h: rng.randrange(0, 8) for h in rng.sample(holders, 3)}
+        assert sp.match(req, at, floor) == ref.match(req, at, floor)
+        assert sp.match(req, at) == ref.match(req, at, {})
 
 
 # --- picker ---------------------------------------------------------------------------------------------------------
