@@ -16,6 +16,7 @@ from llmd.kv.index import KVIndex
 from llmd.router.core import Job, RouterCore
 from llmd.router.pods import Pod
 from llmd.router.scheduling import Endpoint, EndpointState, RouteRequest, Scheduler, Snapshot, Tuning
+from llmd.router.scheduling import chains as chains_mod
 from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import InflightKV
 from llmd.router.scheduling.pd import decide_p2p, decide_p2p_columns
@@ -171,24 +172,31 @@ def test_incremental_columns_are_the_snapshot_definition(seed: int) -> None:
                     core.index.store(j.flight.decision.target.holder, chain)
 
 
-def _reference(ops: list[tuple[str, list[int], int, int]]) -> int:
-    refs: Counter[int] = Counter()
-    tokens_of: dict[int, int] = {}
-    shared = extra = 0
-    for op, hashes, unit, ex in ops:
+class _PerUnit:
+    """The meaning of InflightKV: a count per unit, each unit's tokens those it was first added with."""
+
+    def __init__(self) -> None:
+        self.refs: Counter[int] = Counter()
+        self.tokens_of: dict[int, int] = {}
+        self.shared = self.extra = 0
+
+    def apply(self, op: str, hashes: list[int], unit: int, ex: int) -> None:
         for h in hashes:
             if op == "add":
-                if h not in refs:
-                    shared += unit
-                    tokens_of[h] = unit
-                refs[h] += 1
-            elif h in refs:
-                refs[h] -= 1
-                if not refs[h]:
-                    del refs[h]
-                    shared = max(0, shared - tokens_of.pop(h))
-        extra = extra + ex if op == "add" else max(0, extra - ex)
-    return shared + extra
+                if h not in self.refs:
+                    self.shared += unit
+                    self.tokens_of[h] = unit
+                self.refs[h] += 1
+            elif h in self.refs:
+                self.refs[h] -= 1
+                if not self.refs[h]:
+                    del self.refs[h]
+                    self.shared = max(0, self.shared - self.tokens_of.pop(h))
+        self.extra = self.extra + ex if op == "add" else max(0, self.extra - ex)
+
+    @property
+    def tokens(self) -> int:
+        return self.shared + self.extra
 
 
 def _chain(rng: random.Random, chains: list[list[int]]) -> list[int]:
@@ -200,13 +208,16 @@ def _chain(rng: random.Random, chains: list[list[int]]) -> list[int]:
     return base[: rng.randrange(0, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
 
 
+@pytest.mark.parametrize("short", [256, 8, 0])
 @pytest.mark.parametrize("seed", range(30))
-def test_inflight_kv_counts_as_a_plain_per_unit_count(seed: int) -> None:
+def test_inflight_kv_counts_as_a_plain_per_unit_count(seed: int, short: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `short`: chains below it are counted per unit, the rest searched one by one (all, some, none of them).
+    monkeypatch.setattr(chains_mod, "SHORT_UNITS", short)
     rng = random.Random(seed)
     kv = InflightKV()
     chains: list[list[int]] = []
     live: list[tuple[list[int], int, int]] = []
-    ops: list[tuple[str, list[int], int, int]] = []
+    ref = _PerUnit()
     # Odd seeds: block hashes (one unit size); even: chunks whose unit changes mid-way (the per-unit count from then).
     units = (16,) if seed % 2 else (16, 16, 16, 9)
     for _ in range(300):
@@ -215,16 +226,16 @@ def test_inflight_kv_counts_as_a_plain_per_unit_count(seed: int) -> None:
             if rng.random() < 0.5:
                 args = (list(args[0]), *args[1:])  # an equal chain, not the one added
             kv.remove(*args)
-            ops.append(("remove", *args))
+            ref.apply("remove", *args)
         else:
             hashes = _chain(rng, chains)
             chains.append(hashes)
             args = (hashes, rng.choice(units), rng.randrange(0, 100))
             kv.add(*args)
             live.append(args)
-            ops.append(("add", *args))
-        assert kv.tokens == _reference(ops)
-        held = _held(ops)
+            ref.apply("add", *args)
+        assert kv.tokens == ref.tokens
+        held = ref.refs
         probe = _chain(rng, chains)
         want = next((i for i, h in enumerate(probe) if h not in held), len(probe))
         upto = rng.randrange(0, len(probe) + 1)
@@ -234,14 +245,3 @@ def test_inflight_kv_counts_as_a_plain_per_unit_count(seed: int) -> None:
         if want:
             start = rng.randrange(0, want + 1)
             assert kv.held_prefix(probe, start) == want
-
-
-def _held(ops: list[tuple[str, list[int], int, int]]) -> set[int]:
-    refs: Counter[int] = Counter()
-    for op, hashes, _, _ in ops:
-        for h in hashes:
-            if op == "add":
-                refs[h] += 1
-            elif refs[h]:
-                refs[h] -= 1
-    return {h for h, c in refs.items() if c}

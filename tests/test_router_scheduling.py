@@ -24,6 +24,7 @@ from llmd.router.scheduling import (
     filters,
     text_chunk_hashes,
 )
+from llmd.router.scheduling import chains as chains_mod
 from llmd.router.scheduling.approximate import ApproxPrefixCache
 from llmd.router.scheduling.chains import common_prefix
 from llmd.router.scheduling.load import KVUtilScorer, LoadAwareScorer, QueueScorer, TokenLoadScorer
@@ -503,11 +504,17 @@ class _NaiveSpeculative:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 2**32), st.sampled_from([60, 400, 1_000_000]))
-def test_speculative_index_is_its_block_by_block_meaning(seed, max_blocks) -> None:
+@given(st.integers(0, 2**32), st.sampled_from([60, 400, 1_000_000]), st.sampled_from([256, 8, 0]))
+def test_speculative_index_is_its_block_by_block_meaning(seed, max_blocks, short) -> None:
     """Inserts, settles, expiry, pruning, the block bound and forgotten pods: match and len as the naive model says,
-    for chains that share prefixes as sessions, bursts and the system prompt make them."""
-    rng = random.Random(seed)
+    for chains that share prefixes as sessions, bursts and the system prompt make them (`short`: chains below it
+    counted per unit, the rest searched one by one)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chains_mod, "SHORT_UNITS", short)
+        _speculative_against_naive(random.Random(seed), max_blocks)
+
+
+def _speculative_against_naive(rng: random.Random, max_blocks: int) -> None:
     sp = SpeculativeIndex(ttl_s=2.0, max_blocks=max_blocks, settle_s=0.1)
     ref = _NaiveSpeculative(2.0, max_blocks, 0.1)
     holders = [(f"p{k}", r) for k in range(3) for r in range(2)]

@@ -5,7 +5,9 @@ where (kv_demand, speculative) keeps requests' chains as they are and asks this 
 
 from __future__ import annotations
 
+from collections import _count_elements, deque  # type: ignore[attr-defined]  # Counter.update's C loop
 from collections.abc import Sequence
+from itertools import compress, repeat
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> int:
@@ -26,3 +28,90 @@ def common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> 
         else:
             hi = mid - 1
     return lo
+
+
+# Chains shorter than this are kept as a count per unit: for a few dozen units that is a few C-speed dict operations,
+# cheaper than a search per chain in the set (short prompts come many at a time: 64 in flight at one endpoint);
+# longer ones as themselves, searched one by one: few fit one engine's KV at once, and a 3,000-block chain would
+# cost 3,000 dict operations to add and as many to take away.
+SHORT_UNITS = 256
+
+
+class ChainSet:
+    """A multiset of chains (a request's units: chained hashes, each naming every unit before it, all distinct):
+    `longest` is the longest prefix of a chain that one of them has, i.e. how much of it their trie holds.
+
+    Short chains are counted per unit, and membership of a chain's unit at position p then means a short chain
+    agrees with it up to p: prefix-closed, so a binary search answers. Long chains are compared one by one, each
+    costing a probe unless it agrees past what is known already."""
+
+    __slots__ = ("_long", "_refs")
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}  # unit -> short chains having it
+        self._long: list[Sequence[int]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._refs) or bool(self._long)
+
+    def add(self, chain: Sequence[int]) -> None:
+        if len(chain) < SHORT_UNITS:
+            _count_elements(self._refs, chain)  # refs[u] += 1 for each, in C
+        else:
+            self._long.append(chain)
+
+    def remove(self, chain: Sequence[int]) -> bool:
+        """Take away one chain equal to `chain`; False (and nothing changes) if there is none."""
+        if len(chain) < SHORT_UNITS:
+            refs = self._refs
+            counts = list(map(refs.get, chain))
+            if None in counts:
+                return False
+            refs.update(zip(chain, map(int.__sub__, counts, repeat(1)), strict=True))  # new counts, in C
+            deque(map(refs.pop, compress(chain, map((1).__eq__, counts))), maxlen=0)  # units no chain has now
+            return True
+        chains = self._long
+        n = len(chain)
+        at = next((i for i, c in enumerate(chains) if c is chain), None)
+        if at is None:  # an equal chain, not the same object
+            at = next((i for i, c in enumerate(chains) if len(c) == n and common_prefix(chain, c, n) == n), None)
+        if at is None:
+            return False
+        chains[at] = chains[-1]
+        chains.pop()
+        return True
+
+    def unit_counts(self) -> dict[int, int]:
+        """Each unit's count over the chains (a copy)."""
+        refs = dict(self._refs)
+        for c in self._long:
+            _count_elements(refs, c)
+        return refs
+
+    def longest(self, chain: Sequence[int], hi: int | None = None, lo: int = 0) -> int:
+        """The longest prefix of chain[:hi] one of the chains has, or `lo` if that is more (the caller knows
+        chain[:lo] is held, or cares only whether the answer beats lo)."""
+        hi = len(chain) if hi is None else min(hi, len(chain))
+        best = lo
+        if best >= hi:
+            return best
+        refs = self._refs
+        if refs and chain[best] in refs:
+            a, b = best + 1, min(hi, SHORT_UNITS - 1)  # chain[:a] held by a short chain, which has < SHORT_UNITS
+            while a < b:
+                mid = (a + b + 1) // 2
+                if chain[mid - 1] in refs:
+                    a = mid
+                else:
+                    b = mid - 1
+            best = a
+        got = 0
+        for c in self._long:
+            m = min(hi, len(c))
+            if m > best and c[best] == chain[best]:  # agrees past what is known: worth a search
+                got = common_prefix(chain, c, m, got)
+                if got > best:
+                    best = got
+                    if best >= hi:
+                        break
+        return best

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmd.router.scheduling.chains import common_prefix
+from llmd.router.scheduling.chains import ChainSet
 
 
 class InflightKV:
@@ -17,11 +17,10 @@ class InflightKV:
     KV those requests can occupy at most.
 
     A request's units are a chain (a unit's hash names every unit before it, as block hashes and approximate
-    routing's chunk hashes do), so the units in flight are the nodes of a trie of the requests' chains: a request
-    adds the units past the longest prefix it shares with one already in flight and, when it ends, takes away those
-    past the longest it shares with one still in flight. Each common prefix is one binary search over two chains, so
-    adding and removing a 3,000-block request costs its few neighbours' searches, not a count of 3,000 units (which
-    was a quarter of a decision at 544 endpoints); `held_prefix` is a search per request in flight here.
+    routing's chunk hashes do), so the units in flight are the nodes of the trie of the requests' chains
+    (chains.ChainSet): a request adds the units past the longest prefix it shares with one already in flight and,
+    when it ends, takes away those past the longest it shares with one still in flight. A 3,000-block request costs
+    its few long neighbours' searches, not a count of 3,000 units (a quarter of a decision at 544 endpoints).
 
     That holds while every request's units carry the same tokens (block hashes always do). The first add with another
     (approximate routing's chunks, as chars_per_token is learned) switches to a count per unit, each keeping the
@@ -31,9 +30,9 @@ class InflightKV:
     __slots__ = ("_chains", "_extra_tokens", "_refs", "_shared_tokens", "_tokens_of", "_unit", "tokens", "version")
 
     def __init__(self) -> None:
-        self._chains: list[tuple[Sequence[int], int]] = []  # (units, how many) per request in flight, while units agree
+        self._chains: ChainSet | None = ChainSet()  # the requests' units, while their tokens agree
         self._unit = 0  # the tokens of every unit in flight, while they agree
-        self._refs: dict[int, int] | None = None  # hash -> requests holding it, once units differ
+        self._refs: dict[int, int] = {}  # hash -> requests holding it, once units differ
         self._tokens_of: dict[int, int] = {}  # hash -> its tokens when first added, once units differ
         self._shared_tokens = 0  # distinct prompt units in flight, in tokens
         self._extra_tokens = 0  # partial blocks and outputs
@@ -42,15 +41,16 @@ class InflightKV:
 
     def add(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
         self.version += 1
-        n = len(hashes)
-        if self._refs is None and n and self._chains and unit_tokens != self._unit:
-            self._count_units()
-        if self._refs is None:
-            if n:
-                if not self._chains:
+        chains = self._chains
+        if chains is not None and hashes and chains and unit_tokens != self._unit:
+            self._count_units(chains)
+            chains = None
+        if chains is not None:
+            if hashes:
+                if not chains:
                     self._unit = unit_tokens
-                self._shared_tokens += (n - self._longest(hashes, n)) * unit_tokens
-                self._chains.append((hashes, n))
+                self._shared_tokens += (len(hashes) - chains.longest(hashes)) * unit_tokens
+                chains.add(hashes)
         else:
             refs, tokens_of = self._refs, self._tokens_of
             for h in hashes:
@@ -64,26 +64,10 @@ class InflightKV:
         self._extra_tokens += extra_tokens
         self.tokens = self._shared_tokens + self._extra_tokens
 
-    def _count_units(self) -> None:
-        refs: dict[int, int] = {}
-        for chain, n in self._chains:
-            for h in chain[:n]:
-                refs[h] = refs.get(h, 0) + 1
+    def _count_units(self, chains: ChainSet) -> None:
+        self._refs = refs = chains.unit_counts()
         self._tokens_of = dict.fromkeys(refs, self._unit)
-        self._refs = refs
-        self._chains = []
-
-    def _longest(self, hashes: Sequence[int], n: int, hi: int | None = None) -> int:
-        """The longest prefix of hashes[:n] a chain in flight shares (at most `hi`: the caller needs no more)."""
-        hi = n if hi is None else hi
-        best = got = 0
-        for chain, m in self._chains:
-            got = common_prefix(hashes, chain, min(hi, m), got)
-            if got > best:
-                best = got
-                if best >= hi:
-                    break
-        return best
+        self._chains = None
 
     def shared_tokens(self, hashes: Sequence[int], unit_tokens: int, upto: int | None = None) -> int:
         """Tokens of `hashes`' leading units (of the first `upto`, default all) already held by requests in flight
@@ -100,9 +84,9 @@ class InflightKV:
         hi = len(hashes) if n is None else min(n, len(hashes))
         if start >= hi:
             return hi
+        if self._chains is not None:
+            return self._chains.longest(hashes, hi, start)
         refs = self._refs
-        if refs is None:
-            return max(start, self._longest(hashes, hi))
         if not refs or hashes[start] not in refs:
             return start
         lo = start + 1  # hashes[:lo] are held; find the largest such lo
@@ -117,21 +101,13 @@ class InflightKV:
     def remove(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
         """Undo one `add` with the same arguments (a unit's tokens are the ones it was first added with)."""
         self.version += 1
-        refs = self._refs
-        if refs is None:
-            n = len(hashes)
-            if n:
-                chains = self._chains
-                at = next((i for i, (c, m) in enumerate(chains) if c is hashes and m == n), None)
-                if at is None:  # an equal chain, not the same object
-                    same = (i for i, (c, m) in enumerate(chains) if m == n and common_prefix(hashes, c, n) == n)
-                    at = next(same, None)
-                if at is not None:
-                    chains[at] = chains[-1]
-                    chains.pop()
-                    self._shared_tokens = max(0, self._shared_tokens - (n - self._longest(hashes, n)) * self._unit)
+        chains = self._chains
+        if chains is not None:
+            if hashes and chains.remove(hashes):
+                lost = len(hashes) - chains.longest(hashes)
+                self._shared_tokens = max(0, self._shared_tokens - lost * self._unit)
         else:
-            tokens_of = self._tokens_of
+            refs, tokens_of = self._refs, self._tokens_of
             for h in hashes:
                 held = refs.get(h)
                 if held is None:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from llmd.kv.index import KVIndex
-from llmd.router.scheduling.chains import common_prefix
+from llmd.router.scheduling.chains import ChainSet
 from llmd.router.scheduling.state import Holder
 
 # The mirror index never evicts: entries leave it exactly as they leave the holders' dicts.
@@ -33,10 +33,10 @@ class SpeculativeIndex:
     holder holds a block speculatively while an unexpired record's chain has it.
 
     Chains share prefixes (a session's turns, a burst's parent, the system prompt) and a block's hash names every
-    block before it, so what a holder holds is the trie of its records' chains, and its held prefix of a request is
-    the longest prefix the request shares with one of them: a binary search per record (`common_prefix`). Inserting a
-    3,000-block turn costs a search per record alive at that holder, not an expiry written for each block (which,
-    with dropping them again, was a third of a routing decision at 544 endpoints).
+    block before it, so what a holder holds is the trie of its records' chains (chains.ChainSet), and its held prefix
+    of a request is the longest prefix the request shares with one of them. Inserting a 3,000-block turn costs a
+    search per long record alive at that holder, not an expiry written for each block (which, with dropping them
+    again, was a third of a routing decision at 544 endpoints).
 
     `settle` brings a record's expiry forward; the blocks it shares with requests sent there before it and not
     computed yet stay held by those requests' own records (theirs to settle), and those a later request refreshed by
@@ -45,8 +45,8 @@ class SpeculativeIndex:
     The blocks are mirrored, per holder, in a KV index (`match_ids`): one walk of the request answers for every
     holder at once, where `match` looks holder by holder. A record's blocks enter it past the prefix the holder's
     other records share with it, and leave it likewise when the record is dropped. Inserts come in time order (as
-    `prune` assumes), so only holders with records at the logs' fronts can hold expired entries that are not pruned
-    yet; those alone are looked at one by one.
+    `prune` assumes), so the only expired records not pruned yet are at the logs' fronts; a query takes those out of
+    their holders' sets for its answer.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_blocks: int = 1_000_000, settle_s: float = 0.1) -> None:
@@ -55,7 +55,7 @@ class SpeculativeIndex:
         self.ttl_s = ttl_s
         self.settle_s = settle_s
         self.max_blocks = max_blocks
-        self._by_holder: dict[Holder, list[_Record]] = {}  # alive records, per holder
+        self._by_holder: dict[Holder, _Holding] = {}  # alive records, per holder
         self._held = KVIndex(max_entries=_NO_CAP)  # which holder holds which block: the records' chains, as an index
         self._log: deque[tuple[float, _Record]] = deque()  # inserts, oldest first (their expiries never decrease)
         self._logged = 0  # blocks of alive records (an upper bound on entries: shared blocks count once per record)
@@ -77,15 +77,16 @@ class SpeculativeIndex:
         n = len(hashes)
         expiry = max(now + self.ttl_s, self._last_expiry)  # the log stays in expiry order
         self._last_expiry = expiry
-        records = self._by_holder.get(holder)
-        if records is None:
-            records = self._by_holder[holder] = []
-        held = _longest(records, hashes, n)
+        hold = self._by_holder.get(holder)
+        if hold is None:
+            hold = self._by_holder[holder] = _Holding()
+        held = hold.chains.longest(hashes)
         if held < n:
             self._held.store(holder, list(hashes[held:]))  # the mirror needs only the blocks new to this holder
             self._entries += n - held
         rec = _Record(holder, hashes, expiry, (holder, now, n, hashes[-1]))
-        records.append(rec)
+        hold.records[rec] = None
+        hold.chains.add(hashes)
         self._open[rec.key] = rec
         self._log.append((expiry, rec))
         self._logged += n
@@ -128,13 +129,14 @@ class SpeculativeIndex:
         n = len(rec.hashes)
         self._logged -= n
         self._open.pop(rec.key, None)
-        records = self._by_holder[rec.holder]
-        records.remove(rec)
-        kept = _longest(records, rec.hashes, n)
+        hold = self._by_holder[rec.holder]
+        del hold.records[rec]
+        hold.chains.remove(rec.hashes)
+        kept = hold.chains.longest(rec.hashes)
         if kept < n:
             self._held.remove(rec.holder, list(rec.hashes[kept:]))
             self._entries -= n - kept
-        if not records:
+        if not hold.records:
             del self._by_holder[rec.holder]
 
     def match(
@@ -147,12 +149,26 @@ class SpeculativeIndex:
         if not n or not self._by_holder:
             return {}
         floor = floor or {}
+        stale = self._stale(now)
         out: dict[Holder, int] = {}
-        for holder, records in self._by_holder.items():
-            got = _held_prefix(records, block_hashes, floor.get(holder, 0), now)
-            if got:
+        for holder, hold in self._by_holder.items():
+            lo = floor.get(holder, 0)
+            expired = stale.get(holder)
+            got = hold.longest(block_hashes, lo) if expired is None else hold.longest_without(expired, block_hashes, lo)
+            if got > lo:
                 out[holder] = got
         return out
+
+    def _stale(self, now: float) -> dict[Holder, list[_Record]]:
+        """Records expired by `now` but not pruned yet, by holder: they are at the logs' fronts."""
+        stale: dict[Holder, dict[_Record, None]] = {}
+        for log in (self._log, self._settled):
+            for expiry, rec in log:
+                if expiry > now:
+                    break
+                if rec.alive and rec.expiry <= now:
+                    stale.setdefault(rec.holder, {})[rec] = None
+        return {holder: list(recs) for holder, recs in stale.items()}
 
     def match_ids(self, block_hashes: Sequence[int], now: float) -> np.ndarray:
         """`match` for every holder at once, by holder id (`holder_ids`; a 0 at -1 for holders without entries):
@@ -161,17 +177,11 @@ class SpeculativeIndex:
         got = self._held.query_columns(block_hashes).blocks_any
         if not got.any():
             return got
-        stale: set[Holder] = set()
-        for log in (self._log, self._settled):
-            for expiry, rec in log:  # expired but not pruned yet: their holders' records say what is left
-                if expiry > now:
-                    break
-                if rec.alive:
-                    stale.add(rec.holder)
+        stale = self._stale(now)  # expired but not pruned yet: their holders' records say what is left
         if stale:
             ids = self._held.holder_ids(stale).tolist()
-            for holder, hid in zip(stale, ids, strict=True):
-                got[hid] = _held_prefix(self._by_holder[holder], block_hashes, 0, now)
+            for (holder, expired), hid in zip(stale.items(), ids, strict=True):
+                got[hid] = self._by_holder[holder].longest_without(expired, block_hashes, 0)
         return got
 
     @property
@@ -184,16 +194,43 @@ class SpeculativeIndex:
 
     def forget_pod(self, pod: str) -> None:
         for holder in [h for h in self._by_holder if h[0] == pod]:
-            records = self._by_holder.pop(holder)
-            for i, rec in enumerate(records):
+            seen = ChainSet()
+            for rec in self._by_holder.pop(holder).records:
                 rec.alive = False
                 self._logged -= len(rec.hashes)
                 self._open.pop(rec.key, None)
-                self._entries -= len(rec.hashes) - _longest(records[:i], rec.hashes, len(rec.hashes))
+                self._entries -= len(rec.hashes) - seen.longest(rec.hashes)
+                seen.add(rec.hashes)
         self._held.drop_pod(pod)
 
 
 _Key = tuple[Holder, float, int, int]  # an insert: holder, time, chain length, last block
+
+
+class _Holding:
+    """A holder's alive records, and their chains as a set (what it holds while none has expired)."""
+
+    __slots__ = ("chains", "records")
+
+    def __init__(self) -> None:
+        self.records: dict[_Record, None] = {}  # insertion order, removal by key
+        self.chains = ChainSet()
+
+    def longest(self, block_hashes: Sequence[int], lo: int) -> int:
+        """The leading blocks of the request its records hold, or `lo` if that is more."""
+        return self.chains.longest(block_hashes, None, lo)
+
+    def longest_without(self, expired: list[_Record], block_hashes: Sequence[int], lo: int) -> int:
+        """`longest` over the records but `expired` (alive, not pruned yet): taken out of the set for the question
+        and put back, a few records' worth of work rather than a look at every record."""
+        chains = self.chains
+        for rec in expired:
+            chains.remove(rec.hashes)
+        try:
+            return chains.longest(block_hashes, None, lo)
+        finally:
+            for rec in expired:
+                chains.add(rec.hashes)
 
 
 class _Record:
@@ -207,32 +244,3 @@ class _Record:
         self.expiry = expiry
         self.key = key
         self.alive = True
-
-
-def _longest(records: Iterable[_Record], hashes: Sequence[int], n: int) -> int:
-    """The longest prefix of hashes[:n] a record's chain has."""
-    best = got = 0
-    for rec in records:
-        got = common_prefix(hashes, rec.hashes, min(n, len(rec.hashes)), got)
-        if got > best:
-            best = got
-            if best >= n:
-                break
-    return best
-
-
-def _held_prefix(records: Iterable[_Record], block_hashes: Sequence[int], lo: int, now: float) -> int:
-    """The leading blocks of the request that the unexpired records hold, if more than `lo` (the caller has
-    block_hashes[:lo] already), else 0: a record whose chain does not go past `lo` costs one probe."""
-    n = len(block_hashes)
-    if lo >= n:
-        return 0
-    best = lo
-    for rec in records:
-        h = rec.hashes
-        m = min(n, len(h))
-        if m > best and rec.expiry > now and h[best] == block_hashes[best]:
-            best = common_prefix(block_hashes, h, m)
-            if best >= n:
-                break
-    return best if best > lo else 0
