@@ -1127,6 +1127,16 @@ static inline uint64_t be(const uint8_t *p, int n) {
     return v;
 }
 
+static inline uint64_t be64(const uint8_t *p) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return __builtin_bswap64(v);
+#else
+    return be(p, 8);
+#endif
+}
+
 /* Bytes taken by a fixed-size msgpack value, by its first byte (tag included); 0 for containers, strings, bins, exts
  * of variable size and the never-used 0xc1. */
 static uint8_t SCALAR_SIZE[256];
@@ -1368,6 +1378,12 @@ static int rd_int(Rd *r, uint64_t *v) {
     uint8_t t = *r->p;
     if (t <= 0x7f) { *v = t; r->p++; return 1; }
     if (t >= 0xe0) { *v = (uint64_t)(int64_t)(int8_t)t; r->p++; return 1; }
+    if (t == 0xcf || t == 0xd3) { /* 64 bits: block hashes, one load (the loop below takes a dependent step a byte) */
+        if (!need(r, 9)) return 0;
+        *v = be64(r->p + 1);
+        r->p += 9;
+        return 1;
+    }
     int n;
     int sgn = 0;
     switch (t) {
@@ -1427,11 +1443,46 @@ static int rd_str(Rd *r, const uint8_t **s, uint32_t *len) {
 }
 
 enum { F_HASHES, F_PARENT, F_ANY, F_INT, F_INT_NIL, F_MEDIUM, F_STR_NIL, F_EXTRA };
+/* A string as msgpack writes it (a fixstr: header byte, then the bytes), in 8-byte words, to compare a payload's bytes
+ * with a word at a time: map keys and event tags are most of the strings a payload holds. */
+typedef struct {
+    uint64_t w[4], last_mask; /* words, zero-padded; the bytes of the last word that count */
+    uint32_t nwords, len;     /* len: header included */
+} Lit;
+
+static void lit_init(Lit *l, const char *s) {
+    uint8_t b[32] = {0}, m[8] = {0};
+    size_t n = strlen(s); /* < 31: a fixstr */
+    b[0] = (uint8_t)(0xa0 | n);
+    memcpy(b + 1, s, n);
+    l->len = (uint32_t)n + 1;
+    l->nwords = (l->len + 7) / 8;
+    memcpy(l->w, b, sizeof l->w);
+    memset(m, 0xff, l->len - 8 * (l->nwords - 1));
+    memcpy(&l->last_mask, m, 8);
+}
+
+/* 1 if the bytes at p are l (needs whole words there: near the end, 0, and the caller reads the slow way). */
+static inline int lit_at(const uint8_t *p, const uint8_t *end, const Lit *l) {
+    uint32_t nw = l->nwords;
+    if ((size_t)(end - p) < (size_t)nw * 8) return 0;
+    uint64_t d = 0, x;
+    for (uint32_t k = 0; k + 1 < nw; k++) {
+        memcpy(&x, p + 8 * k, 8);
+        d |= x ^ l->w[k];
+    }
+    memcpy(&x, p + 8 * (nw - 1), 8);
+    return !(d | ((x ^ l->w[nw - 1]) & l->last_mask));
+}
+
 typedef struct {
     const char *name;
     int type;
     uint32_t len; /* filled in at import */
+    Lit key;      /* likewise */
 } Field;
+
+static Lit LIT_TYPE, LIT_STORED; /* "type", "BlockStored" */
 
 /* Field order as in llmd.kv.events (and vLLM): the array form is positional. */
 static Field STORED_FIELDS[] = {
@@ -1514,12 +1565,18 @@ static int scan_event(Rd *r, const uint8_t *base, Out *o) {
     const uint8_t *s;
     uint32_t len;
     if (map) {
-        if (!rd_str(r, &s, &len) || len != 4 || memcmp(s, "type", 4)) return 0;
+        if (lit_at(r->p, r->end, &LIT_TYPE)) r->p += LIT_TYPE.len;
+        else if (!rd_str(r, &s, &len) || len != 4 || memcmp(s, "type", 4)) return 0;
     }
-    if (!rd_str(r, &s, &len)) return 0;
     int kind;
     const Field *fields;
     int nf, req;
+    if (lit_at(r->p, r->end, &LIT_STORED)) { /* the common tag, as bytes: else read and compared below */
+        r->p += LIT_STORED.len;
+        s = (const uint8_t *)"BlockStored", len = 11;
+    } else if (!rd_str(r, &s, &len)) {
+        return 0;
+    }
     if (len == 11 && !memcmp(s, "BlockStored", 11)) {
         kind = REC_STORED, fields = STORED_FIELDS, nf = STORED_NF, req = map ? STORED_REQ_MAP : STORED_REQ_ARR;
     } else if (len == 12 && !memcmp(s, "BlockRemoved", 12)) {
@@ -1536,18 +1593,23 @@ static int scan_event(Rd *r, const uint8_t *base, Out *o) {
     int next_f = 0;
     if (map) {
         for (uint64_t i = 1; i < n; i++) {
-            if (!rd_str(r, &s, &len)) return 0;
-            /* publishers write fields in declaration order: try the one after the last first */
+            /* publishers write fields in declaration order: try the one after the last first, as bytes */
             int f = next_f;
-            if (!(f < nf && fields[f].len == len && !memcmp(fields[f].name, s, len)))
-                for (f = 0; f < nf; f++)
-                    if (fields[f].len == len && !memcmp(fields[f].name, s, len)) break;
-            next_f = f + 1;
-            if (f == nf) {
-                if (len == 4 && !memcmp(s, "type", 4)) return 0;
-                if (!skip(r, 0)) return 0;
-                continue;
+            if (f < nf && lit_at(r->p, r->end, &fields[f].key)) {
+                r->p += fields[f].key.len;
+            } else {
+                if (!rd_str(r, &s, &len)) return 0;
+                if (!(f < nf && fields[f].len == len && !memcmp(fields[f].name, s, len)))
+                    for (f = 0; f < nf; f++)
+                        if (fields[f].len == len && !memcmp(fields[f].name, s, len)) break;
+                if (f == nf) {
+                    next_f = f + 1;
+                    if (len == 4 && !memcmp(s, "type", 4)) return 0;
+                    if (!skip(r, 0)) return 0;
+                    continue;
+                }
             }
+            next_f = f + 1;
             if (seen & (1u << f)) return 0;
             seen |= 1u << f;
             if (!rd_field(r, fields[f].type, o, &st)) return 0;
@@ -1690,8 +1752,16 @@ PyMODINIT_FUNC PyInit__kvnative(void) {
     simd_max = __builtin_cpu_supports("avx2") ? 2 : __builtin_cpu_supports("ssse3") ? 1 : 0;
     simd_level = simd_max;
 #endif
-    for (int f = 0; f < STORED_NF; f++) STORED_FIELDS[f].len = (uint32_t)strlen(STORED_FIELDS[f].name);
-    for (int f = 0; f < REMOVED_NF; f++) REMOVED_FIELDS[f].len = (uint32_t)strlen(REMOVED_FIELDS[f].name);
+    lit_init(&LIT_TYPE, "type");
+    lit_init(&LIT_STORED, "BlockStored");
+    for (int f = 0; f < STORED_NF; f++) {
+        STORED_FIELDS[f].len = (uint32_t)strlen(STORED_FIELDS[f].name);
+        lit_init(&STORED_FIELDS[f].key, STORED_FIELDS[f].name);
+    }
+    for (int f = 0; f < REMOVED_NF; f++) {
+        REMOVED_FIELDS[f].len = (uint32_t)strlen(REMOVED_FIELDS[f].name);
+        lit_init(&REMOVED_FIELDS[f].key, REMOVED_FIELDS[f].name);
+    }
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&CoreType);
