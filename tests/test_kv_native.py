@@ -325,3 +325,25 @@ def test_simd_skip_stops_at_every_other_kind_of_value() -> None:
             assert all(_scan_at(lv, payload) == want for lv in levels[1:]), (odd, lead)
             if want is not None:
                 assert typed.decode_payload(payload) is not None
+
+
+def test_fast_path_reads_keys_in_any_order_and_form() -> None:
+    """scan compares the next field's key as bytes, in declaration order; keys in another order, or written as str8,
+    take the slow reading and give the same records (but for the event's byte span)."""
+    import msgspec
+
+    from llmd.kv.compact import scan
+
+    ev = BlockStored([5, 2**64 - 1], 7, list(range(40)), 16, None, "CPU", None)
+    canon = encode_batch([ev], 1.0, 0)
+    fields = msgspec.msgpack.decode(canon)[1][0]
+    rev = {"type": fields.pop("type"), **dict(reversed(fields.items()))}
+    others = [
+        msgspec.msgpack.encode([1.0, [rev], 0]),
+        canon.replace(b"\xa6medium", b"\xd9\x06medium"),
+        canon.replace(b"\xa4type\xabBlockStored", b"\xa4type\xd9\x0bBlockStored"),
+    ]
+    want = memoryview(scan(canon)[2]).cast("Q").tolist()
+    for p in others:
+        got = memoryview(scan(p)[2]).cast("Q").tolist()
+        assert got[0] == want[0] and got[2:] == want[2:] == [5, 2**64 - 1]
