@@ -184,3 +184,166 @@ def test_fast_path_declines_what_it_does_not_take(payload: bytes) -> None:
     from llmd.kv.compact import scan
 
     assert scan(payload) is None
+
+
+# --- the SIMD int skip (scan's token ids) against the scalar loop -------------------------------------------------
+# scan skips token ids 16 bytes at a time where the CPU has SSSE3/AVX2 (_kvnative.simd_level); every level must
+# read a payload exactly as the scalar loop does (level 0): same records, same refusals, at every cut.
+_WIDE_INTS = [(0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8), (0xD0, 1), (0xD1, 2), (0xD2, 4), (0xD3, 8)]  # tag, bytes
+
+
+def _non_int(t: int) -> bytes:
+    """A well-formed msgpack value whose first byte is t (any tag but an int's), or the never-used 0xc1 alone."""
+    small = {0xC0: b"", 0xC1: b"", 0xC2: b"", 0xC3: b"", 0xCA: bytes(4), 0xCB: bytes(8), 0xC4: b"\x01\xff",
+             0xC5: b"\x00\x01\xff", 0xC6: b"\x00\x00\x00\x01\xff", 0xC7: b"\x01\x05\x07", 0xC8: b"\x00\x01\x05\x07",
+             0xC9: b"\x00\x00\x00\x01\x05\x07", 0xD4: b"\x01\x02", 0xD5: b"\x01" + bytes(2), 0xD6: b"\x01" + bytes(4),
+             0xD7: b"\x01" + bytes(8), 0xD8: b"\x01" + bytes(16), 0xD9: b"\x02hi", 0xDA: b"\x00\x02hi",
+             0xDB: b"\x00\x00\x00\x02hi", 0xDC: b"\x00\x01\xcd\x01\x00", 0xDD: b"\x00\x00\x00\x01\x01",
+             0xDE: b"\x00\x01\x01\x01", 0xDF: b"\x00\x00\x00\x01\xe0\x01"}  # fmt: skip
+    if t in small:
+        return bytes([t]) + small[t]
+    n = t & 0x1F if t >= 0xA0 else t & 0x0F
+    return bytes([t]) + (b"a" * n if t >= 0xA0 else b"\x01" * (n * (2 if t < 0x90 else 1)))
+
+
+_NON_INTS = [_non_int(t) for t in range(0x80, 0xE0) if not 0xCC <= t <= 0xD3]
+
+
+def _int_item(rnd, wide_share: float) -> bytes:
+    if rnd.random() >= wide_share:
+        return bytes([rnd.choice([rnd.randrange(0x80), rnd.randrange(0xE0, 0x100)])])
+    tag, n = rnd.choice(_WIDE_INTS)
+    # payload bytes of every kind, tag-like ones (0xcc-0xd3, 0xe0-0xff) included: the window tables must not care
+    return bytes([tag]) + bytes(
+        rnd.choice([rnd.randrange(256), rnd.randrange(0xCC, 0xD4), 0x7F, 0x80]) for _ in range(n)
+    )
+
+
+def _token_array(rnd) -> tuple[bytes, bool]:
+    """A token-id array: mostly ints of every width (BPE-like mixes, all-narrow, all-wide), sometimes a non-int item
+    mid-array, sometimes a count that is not the items' count (then False: not honest)."""
+    n = rnd.choice([0, 1, 15, 16, 17, 31, 64, 65, 128, 200, rnd.randrange(300)])
+    wide = rnd.choice([0.0, 0.1, 0.6, 1.0])
+    items = [_int_item(rnd, wide) for _ in range(n)]
+    for _ in range(rnd.choice([0, 0, 1, 3]) if n else 0):
+        items[rnd.randrange(n)] = rnd.choice(_NON_INTS)
+    count = n if rnd.random() < 0.8 else max(0, n + rnd.choice([-3, -1, 1, 2, 40]))
+    head = bytes([0x90 | count]) if count < 16 else b"\xdc" + count.to_bytes(2, "big")
+    return head + b"".join(items), count == n
+
+
+def _levels() -> list[int]:
+    from llmd.kv import _kvnative
+
+    top = _kvnative.simd_level(-1)
+    return list(range(top + 1))
+
+
+def _scan_at(level: int, payload: bytes):
+    from llmd.kv import _kvnative
+
+    was = _kvnative.simd_level(-1)
+    _kvnative.simd_level(level)
+    try:
+        return _kvnative.scan(payload)
+    finally:
+        _kvnative.simd_level(was)
+
+
+def test_simd_skip_reads_token_ids_as_the_scalar_loop() -> None:
+    import random
+
+    import msgspec
+
+    levels = _levels()
+    rnd = random.Random(5)
+    typed = KVEventDecoder()
+    typed._scan = None
+    accepted = 0
+    for case in range(600):
+        arrays = [_token_array(rnd) for _ in range(rnd.choice([1, 1, 3]))]
+        raws = [r for r, _ in arrays]
+        honest = all(h for _, h in arrays)
+        evs = [BlockStored([rnd.getrandbits(64)], None, msgspec.Raw(r), 16, None, "GPU", None) for r in raws]
+        form = "map" if case % 2 else "array"  # array form: the ids end a few bytes before the payload does
+        payload = encode_batch(evs, 1.0, case % 3, form=form)
+        want = _scan_at(0, payload)
+        for lv in levels[1:]:
+            assert _scan_at(lv, payload) == want, (case, lv)
+        if want is not None:  # what the fast path takes, msgspec takes too, as the same events
+            accepted += 1
+            got = typed.decode_payload(payload)
+            assert got is not None and len(got.events) == len(evs)
+        # cut at every offset: the buffer's end falls inside the ids at every position, and nothing reads past it
+        # (a count that is not the items' count can make a cut payload well formed: levels must still agree)
+        for cut in range(len(payload)):
+            w = _scan_at(0, payload[:cut])
+            assert w is None or not honest
+            for lv in levels[1:]:
+                assert _scan_at(lv, payload[:cut]) == w, (case, lv, cut)
+    assert accepted > 200
+
+
+def test_simd_skip_finds_every_int_width_and_sign() -> None:
+    """Each int form as a run, both signs, at every alignment against the 16-byte windows: the tokens msgspec reads
+    back are the ones written, and every level's records agree."""
+    import msgspec
+
+    typed = KVEventDecoder(token_ids=True)
+    typed._scan = None
+    levels = _levels()
+    values = [0, 1, 127, -1, -32, -33, 128, 255, -128, -129, 256, 65535, -32768, 65536, 2**32 - 1, -(2**31), 2**32,
+              2**64 - 1, -(2**63)]  # fmt: skip
+    for lead in range(17):  # ints of one byte before the run: shifts it against the windows
+        for v in values:
+            toks = [3] * lead + [v] * 40 + [5] * 9
+            raw = msgspec.msgpack.encode(toks)
+            ev = BlockStored([lead], None, msgspec.Raw(raw), 16, None, "GPU", None)
+            payload = encode_batch([ev], 2.0, 0)
+            want = _scan_at(0, payload)
+            assert want is not None
+            assert all(_scan_at(lv, payload) == want for lv in levels[1:])
+            assert typed.decode_payload(payload).events[0].tokens() == toks
+
+
+def test_simd_skip_stops_at_every_other_kind_of_value() -> None:
+    """A value of every non-int tag among the ids, at every alignment against the windows: every level stops at it and
+    reads on exactly as the scalar loop does."""
+    import msgspec
+
+    levels = _levels()
+    typed = KVEventDecoder()
+    typed._scan = None
+    ints = msgspec.msgpack.encode([1, 200, 70000, -5, 3, 40000, 9] * 6)[3:]  # the 42 items, without their header
+    for k, odd in enumerate(_NON_INTS):
+        for lead in range(17):
+            raw = b"\xdc\x00\x56" + b"\x01" * lead + odd + ints + b"\x00" * (85 - lead - 42)
+            ev = BlockStored([k], None, msgspec.Raw(raw), 16, None, "GPU", None)
+            payload = encode_batch([ev], 2.0, 0, form="array" if lead % 2 else "map")
+            want = _scan_at(0, payload)
+            assert (want is None) == (odd == b"\xc1")
+            assert all(_scan_at(lv, payload) == want for lv in levels[1:]), (odd, lead)
+            if want is not None:
+                assert typed.decode_payload(payload) is not None
+
+
+def test_fast_path_reads_keys_in_any_order_and_form() -> None:
+    """scan compares the next field's key as bytes, in declaration order; keys in another order, or written as str8,
+    take the slow reading and give the same records (but for the event's byte span)."""
+    import msgspec
+
+    from llmd.kv.compact import scan
+
+    ev = BlockStored([5, 2**64 - 1], 7, list(range(40)), 16, None, "CPU", None)
+    canon = encode_batch([ev], 1.0, 0)
+    fields = msgspec.msgpack.decode(canon)[1][0]
+    rev = {"type": fields.pop("type"), **dict(reversed(fields.items()))}
+    others = [
+        msgspec.msgpack.encode([1.0, [rev], 0]),
+        canon.replace(b"\xa6medium", b"\xd9\x06medium"),
+        canon.replace(b"\xa4type\xabBlockStored", b"\xa4type\xd9\x0bBlockStored"),
+    ]
+    want = memoryview(scan(canon)[2]).cast("Q").tolist()
+    for p in others:
+        got = memoryview(scan(p)[2]).cast("Q").tolist()
+        assert got[0] == want[0] and got[2:] == want[2:] == [5, 2**64 - 1]

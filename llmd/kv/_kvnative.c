@@ -11,7 +11,9 @@
  * through a small transition cache. About 27 bytes an entry at 20M entries, where a dict of Python ints costs ~120.
  *
  * `scan` reads one msgpack EventBatch payload straight into packed records (no Python object per event) and gives up
- * (returns None) on anything but the plain shapes vLLM sends; the msgspec decoder then decides.
+ * (returns None) on anything but the plain shapes vLLM sends; the msgspec decoder then decides. Token ids, most of
+ * a payload's bytes, are skipped 16 bytes at a time where the CPU has SSSE3 or AVX2 (skip_ints_ssse3), one at a time
+ * elsewhere.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1125,6 +1127,16 @@ static inline uint64_t be(const uint8_t *p, int n) {
     return v;
 }
 
+static inline uint64_t be64(const uint8_t *p) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return __builtin_bswap64(v);
+#else
+    return be(p, 8);
+#endif
+}
+
 /* Bytes taken by a fixed-size msgpack value, by its first byte (tag included); 0 for containers, strings, bins, exts
  * of variable size and the never-used 0xc1. */
 static uint8_t SCALAR_SIZE[256];
@@ -1154,12 +1166,122 @@ static inline uint32_t int_size(uint32_t t) {
 /* Bitwise, not ||: which of the two holds is a coin toss per token, a branch on it a misprediction in two. */
 static inline uint32_t is_int_tag(uint32_t t) { return ((uint8_t)(t + 0x20) < 0xa0) | (t - 0xcc < 8); }
 
+/* Skipping token ids with SIMD (x86-64: SSSE3 or AVX2, chosen at import; elsewhere, or on older CPUs, the scalar
+ * loop below does it all). Each int's size comes from its tag, so the scalar loop is one chain of dependent steps,
+ * a load and some arithmetic per item. Here the payload is cut into 16-byte windows at fixed offsets, and for each
+ * window, for every byte i in it taken as the start of an item, pointer doubling (4 rounds of pshufb: a chain of up
+ * to 16 items in 4 steps) finds where the chain of ints from i leaves the window (16 to 24 bytes from its start) and
+ * how many items it takes. Those tables depend only on the window's bytes, so the CPU builds them for windows ahead
+ * while the one chain left, window to window (a table lookup each, ~7 items), runs behind. A window whose chain from
+ * its entry meets a byte that is not an int tag, or holds more items than are left, ends the walk; the scalar loop
+ * takes it from there, so what is skipped is what the scalar loop would skip. Reads stay within [p, end): a window
+ * is walked only with 25 bytes left from its start (its 16, plus an int of up to 9 bytes starting in its last). */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define KV_X86 1
+#include <immintrin.h>
+#endif
+
+static int simd_level, simd_max; /* 0 scalar, 1 SSSE3, 2 AVX2: what skip_ints uses, what the CPU has */
+
+#ifdef KV_X86
+#define WIN_NEED 25
+
+__attribute__((target("ssse3"))) static const uint8_t *skip_ints_ssse3(const uint8_t *p, const uint8_t *end,
+                                                                       uint64_t *n) {
+    const __m128i iota = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* sizes of 0xcc-0xd3 ((u)int 8/16/32/64) by tag - 0xcc; 8-15 (other tags that the saturating add leaves below
+     * 0x80) size 0 */
+    const __m128i wide = _mm_setr_epi8(2, 3, 5, 9, 2, 3, 5, 9, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i one = _mm_set1_epi8(1), sixteen = _mm_set1_epi8(16), zero = _mm_setzero_si128();
+    uint64_t left = *n;
+    uint32_t e = 0; /* where the chain enters the window at p */
+    uint16_t tab[16];
+    while (end - p >= WIN_NEED) {
+        __m128i b = _mm_loadu_si128((const __m128i *)p);
+        __m128i fix = _mm_cmpgt_epi8(b, _mm_set1_epi8(-33)); /* 0x00-0x7f and 0xe0-0xff: fixints, one byte */
+        __m128i u = _mm_adds_epu8(_mm_sub_epi8(b, _mm_set1_epi8((char)0xcc)), _mm_set1_epi8(0x70));
+        __m128i s = _mm_or_si128(_mm_and_si128(fix, one), _mm_shuffle_epi8(wide, u)); /* item size, 0: no int */
+        __m128i t = _mm_add_epi8(iota, s);
+        /* f: the next item's start, or i itself where the chain ends at i (no int, or the next starts past the
+         * window); c: items the chain from i takes before where f leads */
+        __m128i ok = _mm_andnot_si128(_mm_cmpeq_epi8(s, zero), _mm_cmpgt_epi8(sixteen, t));
+        __m128i f = _mm_or_si128(_mm_and_si128(ok, t), _mm_andnot_si128(ok, iota));
+        __m128i c = _mm_and_si128(ok, one);
+        for (int k = 0; k < 4; k++) {
+            c = _mm_add_epi8(c, _mm_shuffle_epi8(c, f));
+            f = _mm_shuffle_epi8(f, f);
+        }
+        __m128i sl = _mm_shuffle_epi8(s, f);                  /* the size of the chain's last item in the window */
+        __m128i x = _mm_add_epi8(f, sl);                      /* where it leaves: 16-24, or below 16: not an int */
+        c = _mm_add_epi8(c, _mm_min_epu8(sl, one));
+        _mm_storeu_si128((__m128i *)tab, _mm_unpacklo_epi8(x, c));
+        _mm_storeu_si128((__m128i *)(tab + 8), _mm_unpackhi_epi8(x, c));
+        uint32_t v = tab[e], xe = v & 0xff, ce = v >> 8;
+        if (xe < 16 || ce > left) break;
+        left -= ce;
+        e = xe - 16;
+        p += 16;
+    }
+    *n = left;
+    return p + e;
+}
+
+/* The same, two windows at a time (vpshufb shuffles each 16-byte lane on its own: one lane, one window). */
+__attribute__((target("avx2"))) static const uint8_t *skip_ints_avx2(const uint8_t *p, const uint8_t *end,
+                                                                     uint64_t *n) {
+    const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
+                                          7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i wide = _mm256_setr_epi8(2, 3, 5, 9, 2, 3, 5, 9, 0, 0, 0, 0, 0, 0, 0, 0, 2, 3, 5, 9, 2, 3, 5, 9, 0, 0,
+                                          0, 0, 0, 0, 0, 0);
+    const __m256i one = _mm256_set1_epi8(1), sixteen = _mm256_set1_epi8(16), zero = _mm256_setzero_si256();
+    uint64_t left = *n;
+    uint32_t e = 0;
+    uint16_t tab[32];
+    while (end - p >= 16 + WIN_NEED) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)p);
+        __m256i fix = _mm256_cmpgt_epi8(b, _mm256_set1_epi8(-33));
+        __m256i u = _mm256_adds_epu8(_mm256_sub_epi8(b, _mm256_set1_epi8((char)0xcc)), _mm256_set1_epi8(0x70));
+        __m256i s = _mm256_or_si256(_mm256_and_si256(fix, one), _mm256_shuffle_epi8(wide, u));
+        __m256i t = _mm256_add_epi8(iota, s);
+        __m256i ok = _mm256_andnot_si256(_mm256_cmpeq_epi8(s, zero), _mm256_cmpgt_epi8(sixteen, t));
+        __m256i f = _mm256_or_si256(_mm256_and_si256(ok, t), _mm256_andnot_si256(ok, iota));
+        __m256i c = _mm256_and_si256(ok, one);
+        for (int k = 0; k < 4; k++) {
+            c = _mm256_add_epi8(c, _mm256_shuffle_epi8(c, f));
+            f = _mm256_shuffle_epi8(f, f);
+        }
+        __m256i sl = _mm256_shuffle_epi8(s, f);
+        __m256i x = _mm256_add_epi8(f, sl);
+        c = _mm256_add_epi8(c, _mm256_min_epu8(sl, one));
+        __m256i lo = _mm256_unpacklo_epi8(x, c), hi = _mm256_unpackhi_epi8(x, c);
+        _mm256_storeu_si256((__m256i *)tab, _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *)(tab + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+        uint32_t v = tab[e], xe = v & 0xff, ce = v >> 8;
+        if (xe < 16 || ce > left) break;
+        left -= ce;
+        e = xe - 16;
+        p += 16;
+        v = tab[16 + e], xe = v & 0xff, ce = v >> 8;
+        if (xe < 16 || ce > left) break;
+        left -= ce;
+        e = xe - 16;
+        p += 16;
+    }
+    *n = left;
+    return p + e;
+}
+#endif
+
 /* Skip up to *n ints (token ids, the bulk of a payload): stops at anything else, or near the end, for the generic
  * loop. The chain from one item's position to the next bounds this loop: here the position stays in a register
  * (the generic loop stored and reloaded it through the Rd), sizes come from the tag by arithmetic, not a table, and
  * two items come from one 8-byte load (little-endian machines). About 7% off scan() on the benchmark's payloads. */
 static inline const uint8_t *skip_ints(const uint8_t *p, const uint8_t *end, uint64_t *n) {
     uint64_t left = *n;
+#ifdef KV_X86
+    if (simd_level && left >= 16 && end - p >= WIN_NEED)
+        p = simd_level == 2 && end - p >= 16 + WIN_NEED ? skip_ints_avx2(p, end, &left) : skip_ints_ssse3(p, end, &left);
+#endif
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     while (left >= 2 && end - p >= 18) {
         uint64_t w;
@@ -1256,6 +1378,12 @@ static int rd_int(Rd *r, uint64_t *v) {
     uint8_t t = *r->p;
     if (t <= 0x7f) { *v = t; r->p++; return 1; }
     if (t >= 0xe0) { *v = (uint64_t)(int64_t)(int8_t)t; r->p++; return 1; }
+    if (t == 0xcf || t == 0xd3) { /* 64 bits: block hashes, one load (the loop below takes a dependent step a byte) */
+        if (!need(r, 9)) return 0;
+        *v = be64(r->p + 1);
+        r->p += 9;
+        return 1;
+    }
     int n;
     int sgn = 0;
     switch (t) {
@@ -1315,11 +1443,46 @@ static int rd_str(Rd *r, const uint8_t **s, uint32_t *len) {
 }
 
 enum { F_HASHES, F_PARENT, F_ANY, F_INT, F_INT_NIL, F_MEDIUM, F_STR_NIL, F_EXTRA };
+/* A string as msgpack writes it (a fixstr: header byte, then the bytes), in 8-byte words, to compare a payload's bytes
+ * with a word at a time: map keys and event tags are most of the strings a payload holds. */
+typedef struct {
+    uint64_t w[4], last_mask; /* words, zero-padded; the bytes of the last word that count */
+    uint32_t nwords, len;     /* len: header included */
+} Lit;
+
+static void lit_init(Lit *l, const char *s) {
+    uint8_t b[32] = {0}, m[8] = {0};
+    size_t n = strlen(s); /* < 31: a fixstr */
+    b[0] = (uint8_t)(0xa0 | n);
+    memcpy(b + 1, s, n);
+    l->len = (uint32_t)n + 1;
+    l->nwords = (l->len + 7) / 8;
+    memcpy(l->w, b, sizeof l->w);
+    memset(m, 0xff, l->len - 8 * (l->nwords - 1));
+    memcpy(&l->last_mask, m, 8);
+}
+
+/* 1 if the bytes at p are l (needs whole words there: near the end, 0, and the caller reads the slow way). */
+static inline int lit_at(const uint8_t *p, const uint8_t *end, const Lit *l) {
+    uint32_t nw = l->nwords;
+    if ((size_t)(end - p) < (size_t)nw * 8) return 0;
+    uint64_t d = 0, x;
+    for (uint32_t k = 0; k + 1 < nw; k++) {
+        memcpy(&x, p + 8 * k, 8);
+        d |= x ^ l->w[k];
+    }
+    memcpy(&x, p + 8 * (nw - 1), 8);
+    return !(d | ((x ^ l->w[nw - 1]) & l->last_mask));
+}
+
 typedef struct {
     const char *name;
     int type;
     uint32_t len; /* filled in at import */
+    Lit key;      /* likewise */
 } Field;
+
+static Lit LIT_TYPE, LIT_STORED; /* "type", "BlockStored" */
 
 /* Field order as in llmd.kv.events (and vLLM): the array form is positional. */
 static Field STORED_FIELDS[] = {
@@ -1402,12 +1565,18 @@ static int scan_event(Rd *r, const uint8_t *base, Out *o) {
     const uint8_t *s;
     uint32_t len;
     if (map) {
-        if (!rd_str(r, &s, &len) || len != 4 || memcmp(s, "type", 4)) return 0;
+        if (lit_at(r->p, r->end, &LIT_TYPE)) r->p += LIT_TYPE.len;
+        else if (!rd_str(r, &s, &len) || len != 4 || memcmp(s, "type", 4)) return 0;
     }
-    if (!rd_str(r, &s, &len)) return 0;
     int kind;
     const Field *fields;
     int nf, req;
+    if (lit_at(r->p, r->end, &LIT_STORED)) { /* the common tag, as bytes: else read and compared below */
+        r->p += LIT_STORED.len;
+        s = (const uint8_t *)"BlockStored", len = 11;
+    } else if (!rd_str(r, &s, &len)) {
+        return 0;
+    }
     if (len == 11 && !memcmp(s, "BlockStored", 11)) {
         kind = REC_STORED, fields = STORED_FIELDS, nf = STORED_NF, req = map ? STORED_REQ_MAP : STORED_REQ_ARR;
     } else if (len == 12 && !memcmp(s, "BlockRemoved", 12)) {
@@ -1424,18 +1593,23 @@ static int scan_event(Rd *r, const uint8_t *base, Out *o) {
     int next_f = 0;
     if (map) {
         for (uint64_t i = 1; i < n; i++) {
-            if (!rd_str(r, &s, &len)) return 0;
-            /* publishers write fields in declaration order: try the one after the last first */
+            /* publishers write fields in declaration order: try the one after the last first, as bytes */
             int f = next_f;
-            if (!(f < nf && fields[f].len == len && !memcmp(fields[f].name, s, len)))
-                for (f = 0; f < nf; f++)
-                    if (fields[f].len == len && !memcmp(fields[f].name, s, len)) break;
-            next_f = f + 1;
-            if (f == nf) {
-                if (len == 4 && !memcmp(s, "type", 4)) return 0;
-                if (!skip(r, 0)) return 0;
-                continue;
+            if (f < nf && lit_at(r->p, r->end, &fields[f].key)) {
+                r->p += fields[f].key.len;
+            } else {
+                if (!rd_str(r, &s, &len)) return 0;
+                if (!(f < nf && fields[f].len == len && !memcmp(fields[f].name, s, len)))
+                    for (f = 0; f < nf; f++)
+                        if (fields[f].len == len && !memcmp(fields[f].name, s, len)) break;
+                if (f == nf) {
+                    next_f = f + 1;
+                    if (len == 4 && !memcmp(s, "type", 4)) return 0;
+                    if (!skip(r, 0)) return 0;
+                    continue;
+                }
             }
+            next_f = f + 1;
             if (seen & (1u << f)) return 0;
             seen |= 1u << f;
             if (!rd_field(r, fields[f].type, o, &st)) return 0;
@@ -1553,8 +1727,18 @@ static PyTypeObject CoreType = {
     .tp_as_sequence = &Core_as_seq,
 };
 
+/* simd_level(level) -> the level scan's int skipping now uses (0 scalar, 1 SSSE3, 2 AVX2): `level`, or the most
+ * this CPU has if that is less; -1 leaves it as it is. For tests, which compare the levels' answers. */
+static PyObject *set_simd_level(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    if (v >= 0) simd_level = v < simd_max ? (int)v : simd_max;
+    return PyLong_FromLong(simd_level);
+}
+
 static PyMethodDef module_methods[] = {
     {"scan", (PyCFunction)scan, METH_O, NULL},
+    {"simd_level", (PyCFunction)set_simd_level, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1563,8 +1747,21 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kvnative", NULL,
 PyMODINIT_FUNC PyInit__kvnative(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
     init_scalar_size();
-    for (int f = 0; f < STORED_NF; f++) STORED_FIELDS[f].len = (uint32_t)strlen(STORED_FIELDS[f].name);
-    for (int f = 0; f < REMOVED_NF; f++) REMOVED_FIELDS[f].len = (uint32_t)strlen(REMOVED_FIELDS[f].name);
+#ifdef KV_X86
+    __builtin_cpu_init();
+    simd_max = __builtin_cpu_supports("avx2") ? 2 : __builtin_cpu_supports("ssse3") ? 1 : 0;
+    simd_level = simd_max;
+#endif
+    lit_init(&LIT_TYPE, "type");
+    lit_init(&LIT_STORED, "BlockStored");
+    for (int f = 0; f < STORED_NF; f++) {
+        STORED_FIELDS[f].len = (uint32_t)strlen(STORED_FIELDS[f].name);
+        lit_init(&STORED_FIELDS[f].key, STORED_FIELDS[f].name);
+    }
+    for (int f = 0; f < REMOVED_NF; f++) {
+        REMOVED_FIELDS[f].len = (uint32_t)strlen(REMOVED_FIELDS[f].name);
+        lit_init(&REMOVED_FIELDS[f].key, REMOVED_FIELDS[f].name);
+    }
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&CoreType);
