@@ -47,7 +47,7 @@ def run_tokens(seed: int, start: int, stop: int, vocab: int) -> list[int]:
     x *= _U_MIX2
     x ^= x >> _U31
     x %= np.uint64(vocab)
-    return x.tolist()
+    return x.view(np.int64).tolist()  # < 2**63: the same values, and int64's tolist is a third faster than uint64's
 
 
 class TokenRuns(Sequence[int]):

@@ -141,10 +141,10 @@ class KVCacheManager:
         if dict in set(map(type, blocks)):  # a hash held by several blocks: the first one serves the hit
             blocks = [v if type(v) is int else next(iter(v)) for v in blocks]
         j = n_gpu
-        if self.cpu_capacity:
-            cpu = self.cpu
-            while j < max_blocks and hashes[j] in cpu:
-                j += 1
+        if self.cpu_capacity and n_gpu < max_blocks:
+            # The CPU tier's run past the GPU hit, one C-level lookup per block as above.
+            in_cpu = list(map(self.cpu.__contains__, hashes[n_gpu:max_blocks]))
+            j += in_cpu.index(False) if False in in_cpu else len(in_cpu)
         if self.drop_last_hit_block and j > 0:
             if j > n_gpu:
                 j -= 1
