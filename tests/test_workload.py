@@ -79,6 +79,20 @@ def test_trace_stats_match_table(trace_stats):
     _close(sub / (sub + len(main)), 40_367 / 78_099, 0.25)
 
 
+def test_subagents_planned_at_their_fork_are_the_eagerly_planned_children() -> None:
+    """The simulator plans a session without its sub-agents and each fork's when it comes: the same plans."""
+    w = Workload(build_profile("trace-stats"), seed=3, salt="x")
+    eager, lazy = w.agent_sessions(1), w.agent_sessions(1, subagents=False)
+    forks = 0
+    for _ in range(6):
+        plan, bare = next(eager), next(lazy)
+        assert not bare.children and bare.turns == plan.turns
+        later = [kid for turn in bare.turns if turn.forks for kid in w.subagents(bare, turn)]
+        assert later == plan.children
+        forks += len(later)
+    assert forks > 0
+
+
 def test_subagents_fork_from_parent_context(trace_stats):
     plans, _ = trace_stats
     plan = next(p for p in plans if p.children)

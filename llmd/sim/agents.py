@@ -99,7 +99,9 @@ class Agents:
     def start(self) -> None:
         self.live = self.workload.profile.agents
         for a in range(self.workload.profile.agents):
-            it = self.workload.agent_sessions(a)
+            # Sub-agents are planned when their fork comes (_Session._done): most forks of a session planned near
+            # the end of a run never come, and planning one costs a generator and a dozen numpy draws.
+            it = self.workload.agent_sessions(a, subagents=False)
             self.loop.at(0.0, self._next_session, it)
 
     @property
@@ -143,7 +145,7 @@ class Agents:
 
 
 class _Session:
-    __slots__ = ("agents", "by_turn", "ctx", "i", "on_end", "parent", "plan", "ready", "waiting")
+    __slots__ = ("agents", "ctx", "i", "on_end", "parent", "plan", "ready", "waiting")
 
     def __init__(self, agents: Agents, plan: SessionPlan, parent: Context | None, on_end: Callable[[], None]) -> None:
         self.agents = agents
@@ -154,9 +156,6 @@ class _Session:
         self.ctx: Context | None = None  # the context after the last response (prompt + output)
         self.ready = agents.loop.now
         self.waiting = 0  # sub-agents still running
-        self.by_turn: dict[int, list[SessionPlan]] = {}
-        for child in plan.children:
-            self.by_turn.setdefault(child.parent_turn_index or 0, []).append(child)
 
     def next_turn(self) -> None:
         a = self.agents
@@ -201,8 +200,9 @@ class _Session:
         self.ctx = a.builder.extend(call.ctx, call.output)
         self.ready = a.loop.now
         self.i += 1
-        kids = self.by_turn.get(turn.turn_index, []) if turn.forks else []
-        kids = [k for k in kids if a._open()]
+        # A main session's plan comes without its sub-agents (Agents.start): the fork's are planned now. A sub-agent
+        # never forks.
+        kids = a.workload.subagents(self.plan, turn) if turn.forks and a._open() else []
         if not kids:
             self.next_turn()
             return

@@ -29,7 +29,10 @@ class EventLoop:
         heapq.heappush(self._heap, (t if t > self.now else self.now, next(self._seq), fn, args))
 
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
-        self.at(self.now + dt, fn, *args)
+        # `at` inlined: one call less on the loop's busiest path.
+        now = self.now
+        t = now + dt
+        heapq.heappush(self._heap, (t if t > now else now, next(self._seq), fn, args))
 
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmd.workload.distributions import Quantiles, fixed
-from llmd.workload.sessions import SessionModel, SessionPlan, fork_p_for_share, plan_session, session_start_offset
+from llmd.workload.sessions import (
+    SessionModel,
+    SessionPlan,
+    Turn,
+    fork_p_for_share,
+    plan_session,
+    plan_subagents,
+    session_start_offset,
+)
 
 # The reference traffic (219 coding-agent sessions, 78,099 requests): main-agent p50/p90/p99.
 TRACE_OUTPUT = Quantiles(317, 1705, 7551, 1, 32_768)
@@ -54,14 +62,19 @@ class Workload:
     seed: int
     salt: str
 
-    def agent_sessions(self, agent: int) -> Iterator[SessionPlan]:
+    def agent_sessions(self, agent: int, subagents: bool = True) -> Iterator[SessionPlan]:
+        """`subagents=False`: plans without their children, planned when their fork comes (`subagents`)."""
         if not 0 <= agent < self.profile.agents:
             raise ValueError(f"agent {agent} out of range [0, {self.profile.agents})")
         start = session_start_offset(self.seed, agent, self.profile.stagger_s)
         index = 0
         while self.profile.sessions_per_agent is None or index < self.profile.sessions_per_agent:
-            yield plan_session(self.profile.model, self.seed, agent, index, start if index == 0 else 0.0)
+            yield plan_session(self.profile.model, self.seed, agent, index, start if index == 0 else 0.0, subagents)
             index += 1
+
+    def subagents(self, plan: SessionPlan, turn: Turn) -> list[SessionPlan]:
+        """The sub-agent sessions main-agent session `plan` forks at `turn` (its `children` of that turn)."""
+        return plan_subagents(self.profile.model, self.seed, plan.agent, plan.index, turn)
 
     def sessions(self) -> Iterator[SessionPlan]:
         iters = [self.agent_sessions(a) for a in range(self.profile.agents)]

@@ -152,8 +152,12 @@ def _compacted(model: SessionModel, ctx: int, cap: int) -> int:
     return min(cap, max(_context_floor(model), round(ctx * model.compaction_ratio)))
 
 
-def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s: float = 0.0) -> SessionPlan:
-    """The main-agent session `index` of `agent`: its turns and its sub-agents, drawn from its own generator."""
+def plan_session(
+    model: SessionModel, seed: int, agent: int, index: int, start_s: float = 0.0, subagents: bool = True
+) -> SessionPlan:
+    """The main-agent session `index` of `agent`: its turns and its sub-agents, drawn from its own generator.
+    `subagents=False` leaves `children` empty for a caller that plans each fork when it happens (plan_subagents):
+    every sub-agent draws from a generator of its own, so planning it later changes nothing."""
     rng = np.random.default_rng([seed, 0, agent, index])
     sid = f"a{agent}-s{index}"
     n = int(model.turns.sample_int(rng, 1)[0])
@@ -197,10 +201,15 @@ def plan_session(model: SessionModel, seed: int, agent: int, index: int, start_s
         new = nxt if (reset or compaction) else growth_l[t]
         ctx = nxt
         turns.append(Turn(sid, t, None, False, ctx, new, output_l[t], gaps_l[t], reset, compaction, fk_n[t], overflow))
-    for turn in turns:
-        for k in range(turn.forks):
-            children.append(_plan_subagent(model, seed, agent, index, turn, k))
+    if subagents:
+        for turn in turns:
+            children += plan_subagents(model, seed, agent, index, turn)
     return SessionPlan(sid, agent, index, turns, children=children)
+
+
+def plan_subagents(model: SessionModel, seed: int, agent: int, index: int, turn: Turn) -> list[SessionPlan]:
+    """The sub-agent sessions main-agent session `index` of `agent` forks at `turn`: its `children` of that turn."""
+    return [_plan_subagent(model, seed, agent, index, turn, k) for k in range(turn.forks)]
 
 
 def _forks(forks: np.ndarray, groups: np.ndarray, t: int) -> int:

@@ -15,9 +15,9 @@ single_type_kv_cache_manager.py (FullAttentionManager) of vLLM 0.32:
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
-from itertools import islice
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+from itertools import compress, islice
 from typing import Any
 
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -57,8 +57,16 @@ class KVCacheManager:
         self.event_token_ids = event_token_ids  # False: GPU-tier BlockStored events carry no token ids
         self.ref_cnt = [0] * num_gpu_blocks
         self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
-        # Insertion order = eviction order (front evicted first). OrderedDict gives O(1) removal from the middle.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_gpu_blocks))
+        # The free queue (front evicted first), kept lazily: segments [stamp, next index, blocks] in queue order, one
+        # per free() (and its unhashed blocks in one at the front). A block is in the queue at the entry whose stamp
+        # is `_stamp[block]` while its ref count is 0: a prefix hit takes it out, and freeing it again moves it, by
+        # setting a number, where a linked queue costs a node operation per block each time. Stale entries are
+        # skipped when the front reaches them, or dropped when they pile up (_compact).
+        self._stamp = [0] * num_gpu_blocks
+        self._segs: deque[list[Any]] = deque([[0, 0, list(range(1, num_gpu_blocks))]])
+        self._next_stamp = 1
+        self._n_free = num_gpu_blocks - 1
+        self._entries = num_gpu_blocks - 1  # unread segment entries, valid or stale
         # hash -> block id, or {block id: None} when several blocks hold the same hash (rare; first one serves hits).
         self.cached: dict[bytes, int | dict[int, None]] = {}
         self.events: list[KVCacheEvent] = []
@@ -67,8 +75,9 @@ class KVCacheManager:
         self.cpu_self_describing = cpu_events_self_describing
         # CPU tier: hash -> (parent hash, token ids) for self-describing events, else None. LRU order.
         self.cpu: OrderedDict[bytes, tuple[bytes | None, list[int]] | None] = OrderedDict()
-        # Store jobs of this step, written to the CPU tier after the step (write-through, as vLLM offloads).
-        self._cpu_jobs: list[list[tuple[bytes, tuple[bytes | None, list[int]] | None]]] = []
+        # Store jobs of this step, written to the CPU tier after the step (write-through, as vLLM offloads): the
+        # blocks' hashes, their event form, and (self-describing events) each one's (parent hash, token ids).
+        self._cpu_jobs: list[tuple[list[bytes], list[int], list[tuple[bytes | None, list[int]]] | None]] = []
 
         # vLLM's PrefixCacheStats (tokens): requests never preempted, preempted ones apart; connector stats apart.
         self.prefix_cache_queries = 0
@@ -85,12 +94,24 @@ class KVCacheManager:
     # --- state ------------------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self._n_free
+
+    @property
+    def free_queue(self) -> list[int]:
+        """The free blocks in eviction order (front first)."""
+        return list(self._iter_free())
+
+    def _iter_free(self) -> Iterator[int]:
+        ref_cnt, stamps = self.ref_cnt, self._stamp
+        for stamp, i, blocks in self._segs:
+            for b in blocks[i:]:
+                if ref_cnt[b] == 0 and stamps[b] == stamp:
+                    yield b
 
     @property
     def usage(self) -> float:
         """vLLM's kv_cache_usage_perc (a fraction): blocks held by requests, the null block excluded."""
-        return 1.0 - len(self.free_queue) / (self.num_gpu_blocks - 1)
+        return 1.0 - self._n_free / (self.num_gpu_blocks - 1)
 
     @property
     def cpu_usage(self) -> float:
@@ -120,10 +141,10 @@ class KVCacheManager:
         if dict in set(map(type, blocks)):  # a hash held by several blocks: the first one serves the hit
             blocks = [v if type(v) is int else next(iter(v)) for v in blocks]
         j = n_gpu
-        if self.cpu_capacity:
-            cpu = self.cpu
-            while j < max_blocks and hashes[j] in cpu:
-                j += 1
+        if self.cpu_capacity and n_gpu < max_blocks:
+            # The CPU tier's run past the GPU hit, one C-level lookup per block as above.
+            in_cpu = list(map(self.cpu.__contains__, hashes[n_gpu:max_blocks]))
+            j += in_cpu.index(False) if False in in_cpu else len(in_cpu)
         if self.drop_last_hit_block and j > 0:
             if j > n_gpu:
                 j -= 1
@@ -193,16 +214,17 @@ class KVCacheManager:
             # A hit block sitting in the free queue leaves it when touched: it counts against the free blocks.
             counts = list(map(ref_cnt.__getitem__, new_computed_blocks)) if num_hit else []
             n_evictable = counts.count(0)
-            if max(n_new, 0) + n_evictable + reserved_blocks > len(self.free_queue):
+            if max(n_new, 0) + n_evictable + reserved_blocks > self._n_free:
                 return False
             if num_hit:
-                if n_evictable:
-                    free = self.free_queue
-                    for b, c in zip(new_computed_blocks, counts, strict=True):
-                        if c == 0:
-                            del free[b]
-                for b in new_computed_blocks:
-                    ref_cnt[b] += 1
+                # Taking a free block's reference takes it out of the free queue (its entry goes stale).
+                self._n_free -= n_evictable
+                if n_evictable == num_hit:
+                    for b in new_computed_blocks:
+                        ref_cnt[b] = 1
+                else:
+                    for b in new_computed_blocks:
+                        ref_cnt[b] += 1
                 req.block_ids.extend(new_computed_blocks)
                 req.num_cached_blocks = len(req.block_ids)
             if n_new > 0:
@@ -214,15 +236,32 @@ class KVCacheManager:
         return True
 
     def _get_new_blocks(self, n: int) -> list[int]:
-        free = self.free_queue
+        """The first n blocks of the free queue, referenced once (the caller has checked there are n)."""
         ref_cnt = self.ref_cnt
+        stamps = self._stamp
+        segs = self._segs
         block_hash = self.block_hash
-        out = []
-        popitem = free.popitem
-        for _ in range(n):
-            b = popitem(False)[0]
-            ref_cnt[b] = 1
-            out.append(b)
+        out: list[int] = []
+        need = n
+        while need:
+            seg = segs[0]
+            stamp, i, blocks = seg
+            start, m = i, len(blocks)
+            while i < m:
+                b = blocks[i]
+                i += 1
+                if ref_cnt[b] == 0 and stamps[b] == stamp:
+                    ref_cnt[b] = 1
+                    out.append(b)
+                    need -= 1
+                    if not need:
+                        break
+            self._entries -= i - start
+            if i >= m:
+                segs.popleft()
+            else:
+                seg[1] = i
+        self._n_free -= n
         for b in out:
             h = block_hash[b]
             if h is not None:
@@ -251,24 +290,29 @@ class KVCacheManager:
         if start >= n_full:
             return
         hashes = req.block_hashes
-        blocks = req.block_ids
+        new_hashes = hashes[start:n_full]
+        new_blocks = req.block_ids[start:n_full]
         cached = self.cached
         block_hash = self.block_hash
-        for i in range(start, n_full):
-            b = blocks[i]
-            if block_hash[b] is None:
-                h = hashes[i]
+        if not any(map(block_hash.__getitem__, new_blocks)) and cached.keys().isdisjoint(new_hashes):
+            # The usual case, fresh blocks with hashes not cached elsewhere: the map in one C call.
+            cached.update(zip(new_hashes, new_blocks, strict=True))
+            for b, h in zip(new_blocks, new_hashes, strict=True):
                 block_hash[b] = h
-                v = cached.get(h)
-                if v is None:
-                    cached[h] = b
-                elif type(v) is int:
-                    if v != b:
-                        cached[h] = {v: None, b: None}
-                else:
-                    v[b] = None
+        else:
+            for b, h in zip(new_blocks, new_hashes, strict=True):
+                if block_hash[b] is None:
+                    block_hash[b] = h
+                    v = cached.get(h)
+                    if v is None:
+                        cached[h] = b
+                    elif type(v) is int:
+                        if v != b:
+                            cached[h] = {v: None, b: None}
+                    else:
+                        v[b] = None
         from_bytes = int.from_bytes
-        ev_hashes = [from_bytes(h, "big") & MASK64 for h in hashes[start:n_full]]  # _h64, without a call per block
+        ev_hashes = [from_bytes(h, "big") & MASK64 for h in new_hashes]  # _h64, without a call per block
         salt = req.cache_salt
         extra_keys: list[tuple[Any, ...] | None] = [None] * (n_full - start)
         if salt and start == 0:
@@ -291,13 +335,13 @@ class KVCacheManager:
         )
         req.num_cached_blocks = n_full
         if self.cpu_capacity:
+            metas = None
             if self.cpu_self_describing:
-                job = []
-                for k, i in enumerate(range(start, n_full)):
-                    job.append((hashes[i], (hashes[i - 1] if i else None, tokens[k * bs : (k + 1) * bs])))
-            else:
-                job = [(hashes[i], None) for i in range(start, n_full)]
-            self._cpu_jobs.append(job)
+                metas = [
+                    (hashes[i - 1] if i else None, tokens[k * bs : (k + 1) * bs])
+                    for k, i in enumerate(range(start, n_full))
+                ]
+            self._cpu_jobs.append((new_hashes, ev_hashes, metas))
 
     # --- freeing ----------------------------------------------------------------------------------------------------
     def free(self, req: SimRequest) -> None:
@@ -311,24 +355,45 @@ class KVCacheManager:
     def free_blocks(self, ordered: Any) -> None:
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
+        stamps = self._stamp
+        stamp = self._next_stamp
+        self._next_stamp = stamp + 1
         first: list[int] = []
-        free = self.free_queue
+        tail: list[int] = []
         for b in ordered:
             rc = ref_cnt[b] - 1
             ref_cnt[b] = rc
             if rc == 0:
+                stamps[b] = stamp
                 if block_hash[b] is None:
                     first.append(b)
                 else:
-                    free[b] = None  # cached blocks join the tail: least recently used goes first
-        for b in reversed(first):
-            # Unhashed blocks can never serve a hit: put them at the head, in order, to be reused first.
-            free[b] = None
-            free.move_to_end(b, last=False)
+                    tail.append(b)  # cached blocks join the tail: least recently used goes first
+        if tail:
+            self._segs.append([stamp, 0, tail])
+        if first:
+            # Unhashed blocks can never serve a hit: at the head, in order, to be reused first.
+            self._segs.appendleft([stamp, 0, first])
+        n = len(first) + len(tail)
+        self._n_free += n
+        self._entries += n
+        if self._entries > 2 * self.num_gpu_blocks:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The free queue as one segment of its valid entries: stale ones (blocks hit or freed again since) go."""
+        blocks = list(self._iter_free())
+        stamp = self._next_stamp
+        self._next_stamp = stamp + 1
+        stamps = self._stamp
+        for b in blocks:
+            stamps[b] = stamp
+        self._segs = deque([[stamp, 0, blocks]])
+        self._entries = len(blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached hash and publishes AllBlocksCleared; refused (False) while any block is in use."""
-        if len(self.free_queue) != self.num_gpu_blocks - 1:
+        if self._n_free != self.num_gpu_blocks - 1:
             return False
         self.cached.clear()
         self.block_hash = [None] * self.num_gpu_blocks
@@ -351,32 +416,42 @@ class KVCacheManager:
         cap = self.cpu_capacity
         events = self.events
         bs = self.block_size
-        for job in jobs:
-            keys = [(h, meta) for h, meta in job if h not in cpu]
-            if not keys:
-                continue
-            n_evict = len(cpu) + len(keys) - cap
+        for job_hashes, h64s, metas in jobs:
+            hashes = job_hashes
+            n_job = len(hashes)
+            if not cpu.keys().isdisjoint(hashes):
+                keep = [h not in cpu for h in hashes]
+                hashes = list(compress(hashes, keep))
+                h64s = list(compress(h64s, keep))
+                if metas is not None:
+                    metas = list(compress(metas, keep))
+                if not hashes:
+                    continue
+            n_new = len(hashes)
+            n_evict = len(cpu) + n_new - cap
             if n_evict > 0:
-                if len(keys) > cap:
+                if n_new > cap:
                     continue
                 # The job's blocks already in the tier must stay (vLLM protects them): look past at most those.
-                protected = {h for h, _ in job}
-                victims = [h for h in islice(cpu, n_evict + len(job) - len(keys)) if h not in protected][:n_evict]
+                victims = list(islice(cpu, n_evict + n_job - n_new))
+                if n_job > n_new:
+                    protected = set(job_hashes)
+                    victims = [h for h in victims if h not in protected][:n_evict]
                 for h in victims:
                     del cpu[h]
                 evicted = [_h64(h) for h in victims]
                 self.cpu_evicted_blocks += len(evicted)
                 events.append(BlockRemoved(evicted, CPU, 0))
-            from_bytes = int.from_bytes
-            for h, meta in keys:
-                cpu[h] = meta
-                if meta is None:
-                    events.append(BlockStored([from_bytes(h, "big") & MASK64], None, [], 0, None, CPU, None, None, 0))
-                else:
+            if metas is None:
+                cpu.update(dict.fromkeys(hashes))
+                events += [BlockStored([x], None, [], 0, None, CPU, None, None, 0) for x in h64s]
+            else:
+                for h, x, meta in zip(hashes, h64s, metas, strict=True):
+                    cpu[h] = meta
                     parent, tokens = meta  # vLLM defers extra keys on CPU events: published as None
                     events.append(
                         BlockStored(
-                            [_h64(h)],
+                            [x],
                             None if parent is None else _h64(parent),
                             tokens,
                             bs,
@@ -388,7 +463,7 @@ class KVCacheManager:
                             self.spec_kind,
                         )
                     )
-            self.cpu_stored_blocks += len(keys)
+            self.cpu_stored_blocks += n_new
 
     # --- invariants (tests) -----------------------------------------------------------------------------------------
     def check_invariants(self, live: Sequence[SimRequest]) -> None:
@@ -400,7 +475,9 @@ class KVCacheManager:
         assert expect[0] == 0, "the null block was handed out"
         assert expect == self.ref_cnt, "ref counts disagree with the requests holding blocks"
         free = {b for b in range(1, self.num_gpu_blocks) if expect[b] == 0}
-        assert free == set(self.free_queue), "free queue disagrees with ref counts"
+        queue = self.free_queue
+        assert len(queue) == len(set(queue)) == self._n_free, "free queue holds a block twice or miscounts"
+        assert free == set(queue), "free queue disagrees with ref counts"
         for h, v in self.cached.items():
             ids = [v] if type(v) is int else list(v)
             for b in ids:

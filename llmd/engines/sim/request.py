@@ -156,11 +156,14 @@ class SimRequest:
     def append_output(self, token_ids: list[int]) -> None:
         """Appends sampled tokens and hashes every block they complete (per block, not per token)."""
         self.output_token_ids.extend(token_ids)
-        self.num_tokens = n = len(self.prompt_token_ids) + len(self.output_token_ids)
+        # Only append_output adds tokens: counting them saves a len() of the prompt (a Python call for token runs).
+        self.num_tokens = n = self.num_tokens + len(token_ids)
         hasher = self.hasher
         hashes = self.block_hashes
         bs = hasher.block_size
         n_full = n // bs
+        if len(hashes) >= n_full:
+            return
         while len(hashes) < n_full:
             i = len(hashes)
             extra = (("cache_salt", self.cache_salt),) if i == 0 and self.cache_salt else None
@@ -174,8 +177,12 @@ class SimRequest:
                 draw = sampler.draw
                 rng = self.rng
                 return [draw(rng)] if n == 1 else [draw(rng) for _ in range(n)]
-            # Only the first max_tokens can ever be read.
-            script = self.script_tokens = given if type(given) is list else list(given[: self.max_tokens])
+            # Only the first max_tokens can ever be read. A slice of token runs is a list already: no second copy.
+            if type(given) is not list:
+                given = given[: self.max_tokens]
+                if type(given) is not list:
+                    given = list(given)
+            script = self.script_tokens = given
         k = len(self.output_token_ids)
         out = script[k : k + n]
         rng = self.rng
