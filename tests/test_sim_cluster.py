@@ -254,7 +254,8 @@ def test_calibration_recovers_the_efficiency_that_produced_a_measurement() -> No
     measured = run_with_factors(spec, scaled_factors(gpu, 0.3), 4.0, run_id="m").requests_per_min
     best, trials = calibrate(spec, measured, warmup_s=4.0, lo=0.1, hi=1.0, tolerance=0.03, run_id="m")
     assert abs(best.requests_per_min - measured) <= 0.03 * measured and 0.2 < best.scale < 0.45
-    assert best.factors["mfu"] == pytest.approx(gpu.mfu * best.scale) and len(trials) <= 6
+    # Two bracket ends and a few interpolated steps: fewer than plain bisection to 3% over [0.1, 1] needs (~9).
+    assert best.factors["mfu"] == pytest.approx(gpu.mfu * best.scale) and len(trials) <= 8
     assert get_gpu(spec.engine.gpu) == gpu  # the trials' factors do not leak into later runs
     with pytest.raises(UserError, match="outside what efficiency scale"):
         calibrate(spec, measured * 10, warmup_s=4.0, lo=0.5, hi=1.0, run_id="m")
