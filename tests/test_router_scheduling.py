@@ -550,7 +550,11 @@ def _speculative_against_naive(rng: random.Random, max_blocks: int) -> None:
         at = now + rng.choice((0.0, 0.05, 0.12, 1.0, 2.5))
         floor = {h: rng.randrange(0, 8) for h in rng.sample(holders, 3)}
         assert sp.match(req, at, floor) == ref.match(req, at, floor)
-        assert sp.match(req, at) == ref.match(req, at, {})
+        want = ref.match(req, at, {})
+        assert sp.match(req, at) == want
+        # The mirror index, for every holder (one whose records all left must hold nothing there either).
+        got = sp.match_ids(req, at)[sp.holder_ids(holders)].tolist()
+        assert got == [want.get(h, 0) for h in holders]
 
 
 # --- picker ---------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -109,14 +110,28 @@ class SpeculativeIndex:
 
     def prune(self, now: float) -> None:
         """Forget every entry that expired at or before `now`."""
-        log = self._log
-        while log and log[0][0] <= now:
-            self._drop_oldest()
-        settled = self._settled
-        while settled and settled[0][0] <= now:
-            _, rec = settled.popleft()
-            if rec.alive:
-                self._drop(rec)
+        due: dict[Holder, dict[_Record, None]] = {}
+        for log in (self._log, self._settled):
+            while log and log[0][0] <= now:
+                _, rec = log.popleft()
+                if rec.alive:
+                    due.setdefault(rec.holder, {})[rec] = None
+        for holder, recs in due.items():
+            hold = self._by_holder[holder]
+            if len(recs) < len(hold.records):
+                for rec in recs:
+                    self._drop(rec)
+                continue
+            # Every record there goes (a burst routed together expires together): its blocks all leave the mirror
+            # at once, without the set kept up to date record by record.
+            blocks = list(dict.fromkeys(chain.from_iterable(rec.hashes for rec in recs)))
+            self._held.remove(holder, blocks)
+            self._entries -= len(blocks)
+            for rec in recs:
+                rec.alive = False
+                self._logged -= len(rec.hashes)
+                self._open.pop(rec.key, None)
+            del self._by_holder[holder]
 
     def _drop_oldest(self) -> None:
         _, rec = self._log.popleft()
@@ -223,6 +238,8 @@ class _Holding:
     def longest_without(self, expired: list[_Record], block_hashes: Sequence[int], lo: int) -> int:
         """`longest` over the records but `expired` (alive, not pruned yet): taken out of the set for the question
         and put back, a few records' worth of work rather than a look at every record."""
+        if len(expired) == len(self.records):
+            return lo  # all of them expired
         chains = self.chains
         for rec in expired:
             chains.remove(rec.hashes)
