@@ -402,6 +402,14 @@ def _match_by_ids(sp: SpeculativeIndex, h: list[int], now: float, floor: dict) -
     return {k: v for k, v in zip(holders, got[ids].tolist(), strict=True) if v > floor.get(k, 0)}
 
 
+def _next_chain(rng: random.Random, chains: list[list[int]]) -> list[int]:
+    """A new request's chain: a prefix of an earlier one (a session's turn, a fork, the system prompt), new blocks."""
+    base = rng.choice(chains)
+    chain = base[: rng.randrange(1, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+    chains.append(chain)
+    return chain
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**32), st.sampled_from([60, 400, 1_000_000]))
 def test_speculative_match_ids_is_match(seed, max_blocks) -> None:
@@ -417,9 +425,7 @@ def test_speculative_match_ids_is_match(seed, max_blocks) -> None:
         now += rng.choice((0.0, 0.1, 0.5, 1.5))
         r = rng.random()
         if r < 0.5:
-            base = rng.choice(chains)
-            chain = base[: rng.randrange(1, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
-            chains.append(chain)
+            chain = _next_chain(rng, chains)
             for holder in rng.sample(holders, rng.choice((1, 1, 2))):
                 sp.insert(holder, chain, now)
         elif r < 0.53 and chains:
@@ -526,9 +532,7 @@ def _speculative_against_naive(rng: random.Random, max_blocks: int) -> None:
         now += rng.choice((0.0, 0.05, 0.1, 0.5, 1.5))
         r = rng.random()
         if r < 0.5:
-            base = rng.choice(chains)
-            chain = base[: rng.randrange(1, len(base) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
-            chains.append(chain)
+            chain = _next_chain(rng, chains)
             for holder in rng.sample(holders, rng.choice((1, 1, 2))):
                 sp.insert(holder, chain, now)
                 ref.insert(holder, chain, now)

@@ -6,7 +6,7 @@ where (kv_demand, speculative) keeps requests' chains as they are and asks this 
 from __future__ import annotations
 
 from collections import _count_elements, deque  # type: ignore[attr-defined]  # Counter.update's C loop
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from itertools import compress, repeat
 
 
@@ -24,6 +24,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> 
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def held_prefix(chain: Sequence[int], units: Container[int], lo: int, hi: int) -> int:
+    """How many leading units of chain[:hi] are in `units`, given that chain[:lo] are: one binary search, for a set
+    of units that is prefix-closed (a unit's presence means every unit before it in its chain is there too: units
+    counted from whole chains)."""
+    if lo >= hi or chain[lo] not in units:
+        return lo
+    lo += 1  # chain[:lo] are in; find the largest such lo
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] in units:
             lo = mid
         else:
             hi = mid - 1
@@ -96,15 +112,8 @@ class ChainSet:
         if best >= hi:
             return best
         refs = self._refs
-        if refs and chain[best] in refs:
-            a, b = best + 1, min(hi, SHORT_UNITS - 1)  # chain[:a] held by a short chain, which has < SHORT_UNITS
-            while a < b:
-                mid = (a + b + 1) // 2
-                if chain[mid - 1] in refs:
-                    a = mid
-                else:
-                    b = mid - 1
-            best = a
+        if refs:
+            best = held_prefix(chain, refs, best, min(hi, SHORT_UNITS - 1))  # a short chain has < SHORT_UNITS
         got = 0
         for c in self._long:
             m = min(hi, len(c))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmd.router.scheduling.chains import ChainSet
+from llmd.router.scheduling.chains import ChainSet, held_prefix
 
 
 class InflightKV:
@@ -86,17 +86,7 @@ class InflightKV:
             return hi
         if self._chains is not None:
             return self._chains.longest(hashes, hi, start)
-        refs = self._refs
-        if not refs or hashes[start] not in refs:
-            return start
-        lo = start + 1  # hashes[:lo] are held; find the largest such lo
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in refs:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return held_prefix(hashes, self._refs, start, hi)
 
     def remove(self, hashes: Sequence[int], unit_tokens: int, extra_tokens: int) -> None:
         """Undo one `add` with the same arguments (a unit's tokens are the ones it was first added with)."""
