@@ -1,6 +1,7 @@
 """Chained hashes (a block's or a text chunk's hash names every unit before it): two chains agree up to a point and
 differ from there on, so how far they agree is a binary search, not a walk. The router's bookkeeping of what it sent
-where (kv_demand, speculative) keeps requests' chains as they are and asks this instead of counting every unit.
+where (kv_demand, speculative) keeps requests' chains in a ChainSet and asks how much of a chain it holds, instead of
+writing and taking away an entry for each of a long request's units.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class ChainSet:
             self._long.append(chain)
 
     def remove(self, chain: Sequence[int]) -> bool:
-        """Take away one chain equal to `chain`; False (and nothing changes) if there is none."""
+        """Take away one chain equal to `chain`, one the caller added; False (and nothing changes) where there is
+        certainly none (a short chain's units are counted, not the chain: one whose units all lie in others' passes)."""
         if len(chain) < SHORT_UNITS:
             refs = self._refs
             counts = list(map(refs.get, chain))
