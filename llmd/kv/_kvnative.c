@@ -1303,6 +1303,17 @@ static inline const uint8_t *skip_ints(const uint8_t *p, const uint8_t *end, uin
     return p;
 }
 
+static int ascii_only(const uint8_t *q, uint64_t n) {
+    uint64_t hi = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, q + i, 8);
+        hi |= x;
+    }
+    for (; i < n; i++) hi |= q[i];
+    return !(hi & 0x8080808080808080ULL);
+}
+
 /* Skip one msgpack value; 0 if malformed or too deep. */
 static int skip(Rd *r, int depth) {
     if (depth > 64 || !need(r, 1)) return 0;
@@ -1315,12 +1326,15 @@ static int skip(Rd *r, int depth) {
     }
     if ((t & 0xe0) == 0xa0) {
         n = t & 0x1f;
-        goto bytes;
+        goto str;
     }
     switch (t) {
-        case 0xc4: case 0xd9: if (!need(r, 1)) return 0; n = be(r->p, 1); r->p += 1; goto bytes;
-        case 0xc5: case 0xda: if (!need(r, 2)) return 0; n = be(r->p, 2); r->p += 2; goto bytes;
-        case 0xc6: case 0xdb: if (!need(r, 4)) return 0; n = be(r->p, 4); r->p += 4; goto bytes;
+        case 0xc4: if (!need(r, 1)) return 0; n = be(r->p, 1); r->p += 1; goto bytes;
+        case 0xc5: if (!need(r, 2)) return 0; n = be(r->p, 2); r->p += 2; goto bytes;
+        case 0xc6: if (!need(r, 4)) return 0; n = be(r->p, 4); r->p += 4; goto bytes;
+        case 0xd9: if (!need(r, 1)) return 0; n = be(r->p, 1); r->p += 1; goto str;
+        case 0xda: if (!need(r, 2)) return 0; n = be(r->p, 2); r->p += 2; goto str;
+        case 0xdb: if (!need(r, 4)) return 0; n = be(r->p, 4); r->p += 4; goto str;
         case 0xc7: if (!need(r, 1)) return 0; n = be(r->p, 1) + 1; r->p += 1; goto bytes;
         case 0xc8: if (!need(r, 2)) return 0; n = be(r->p, 2) + 1; r->p += 2; goto bytes;
         case 0xc9: if (!need(r, 4)) return 0; n = be(r->p, 4) + 1; r->p += 4; goto bytes;
@@ -1341,6 +1355,12 @@ static int skip(Rd *r, int depth) {
         case 0xdf: if (!need(r, 4)) return 0; n = be(r->p, 4) * 2; r->p += 4; goto items;
         default: return 0; /* 0xc1 */
     }
+str:
+    /* A skipped string must be ASCII too (as rd_str's): the events are decoded again lazily by msgspec, which checks
+     * UTF-8, and a batch accepted here must not fail there. Anything else goes to msgspec now. */
+    if (!need(r, n) || !ascii_only(r->p, n)) return 0;
+    r->p += n;
+    return 1;
 bytes:
     if (!need(r, n)) return 0;
     r->p += n;
