@@ -1186,6 +1186,17 @@ static int simd_level, simd_max; /* 0 scalar, 1 SSSE3, 2 AVX2: what skip_ints us
 #ifdef KV_X86
 #define WIN_NEED 25
 
+/* The walk's one serial step: from entry e, the window's table says where the chain leaves it (16-24) and how many
+ * items it took; 0 where it ends inside the window (not an int) or would take more items than are left. */
+static inline int win_step(const uint16_t *tab, uint32_t *e, uint64_t *left, const uint8_t **p) {
+    uint32_t v = tab[*e], xe = v & 0xff, ce = v >> 8;
+    if (xe < 16 || ce > *left) return 0;
+    *left -= ce;
+    *e = xe - 16;
+    *p += 16;
+    return 1;
+}
+
 __attribute__((target("ssse3"))) static const uint8_t *skip_ints_ssse3(const uint8_t *p, const uint8_t *end,
                                                                        uint64_t *n) {
     const __m128i iota = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -1216,11 +1227,7 @@ __attribute__((target("ssse3"))) static const uint8_t *skip_ints_ssse3(const uin
         c = _mm_add_epi8(c, _mm_min_epu8(sl, one));
         _mm_storeu_si128((__m128i *)tab, _mm_unpacklo_epi8(x, c));
         _mm_storeu_si128((__m128i *)(tab + 8), _mm_unpackhi_epi8(x, c));
-        uint32_t v = tab[e], xe = v & 0xff, ce = v >> 8;
-        if (xe < 16 || ce > left) break;
-        left -= ce;
-        e = xe - 16;
-        p += 16;
+        if (!win_step(tab, &e, &left, &p)) break;
     }
     *n = left;
     return p + e;
@@ -1256,16 +1263,7 @@ __attribute__((target("avx2"))) static const uint8_t *skip_ints_avx2(const uint8
         __m256i lo = _mm256_unpacklo_epi8(x, c), hi = _mm256_unpackhi_epi8(x, c);
         _mm256_storeu_si256((__m256i *)tab, _mm256_permute2x128_si256(lo, hi, 0x20));
         _mm256_storeu_si256((__m256i *)(tab + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
-        uint32_t v = tab[e], xe = v & 0xff, ce = v >> 8;
-        if (xe < 16 || ce > left) break;
-        left -= ce;
-        e = xe - 16;
-        p += 16;
-        v = tab[16 + e], xe = v & 0xff, ce = v >> 8;
-        if (xe < 16 || ce > left) break;
-        left -= ce;
-        e = xe - 16;
-        p += 16;
+        if (!win_step(tab, &e, &left, &p) || !win_step(tab + 16, &e, &left, &p)) break;
     }
     *n = left;
     return p + e;
@@ -1303,6 +1301,7 @@ static inline const uint8_t *skip_ints(const uint8_t *p, const uint8_t *end, uin
     return p;
 }
 
+/* ASCII, 8 bytes at a time (a map's keys are most of the strings in a payload): msgspec checks anything else. */
 static int ascii_only(const uint8_t *q, uint64_t n) {
     uint64_t hi = 0, i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -1446,16 +1445,7 @@ static int rd_str(Rd *r, const uint8_t **s, uint32_t *len) {
     else if (t == 0xda && need(r, 3)) { n = be(r->p + 1, 2); h = 3; }
     else return 0;
     if (!need(r, h + n)) return 0;
-    /* ASCII, 8 bytes at a time: a map's keys are most of the strings in a payload */
-    const uint8_t *q = r->p + h;
-    uint64_t hi = 0, i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t x;
-        memcpy(&x, q + i, 8);
-        hi |= x;
-    }
-    for (; i < n; i++) hi |= q[i];
-    if (hi & 0x8080808080808080ULL) return 0;
+    if (!ascii_only(r->p + h, n)) return 0;
     *s = r->p + h;
     *len = (uint32_t)n;
     r->p += h + n;
