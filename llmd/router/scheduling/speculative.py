@@ -128,9 +128,7 @@ class SpeculativeIndex:
             self._held.remove(holder, blocks)
             self._entries -= len(blocks)
             for rec in recs:
-                rec.alive = False
-                self._logged -= len(rec.hashes)
-                self._open.pop(rec.key, None)
+                self._retire(rec)
             del self._by_holder[holder]
 
     def _drop_oldest(self) -> None:
@@ -138,12 +136,16 @@ class SpeculativeIndex:
         if rec.alive:
             self._drop(rec)
 
+    def _retire(self, rec: _Record) -> None:
+        """A record leaves the bookkeeping (its holder's set and the mirror are the caller's)."""
+        rec.alive = False
+        self._logged -= len(rec.hashes)
+        self._open.pop(rec.key, None)
+
     def _drop(self, rec: _Record) -> None:
         """Forget a record, and the blocks of its chain none of its holder's other records hold."""
-        rec.alive = False
+        self._retire(rec)
         n = len(rec.hashes)
-        self._logged -= n
-        self._open.pop(rec.key, None)
         hold = self._by_holder[rec.holder]
         del hold.records[rec]
         hold.chains.remove(rec.hashes)
@@ -211,9 +213,7 @@ class SpeculativeIndex:
         for holder in [h for h in self._by_holder if h[0] == pod]:
             seen = ChainSet()
             for rec in self._by_holder.pop(holder).records:
-                rec.alive = False
-                self._logged -= len(rec.hashes)
-                self._open.pop(rec.key, None)
+                self._retire(rec)
                 self._entries -= len(rec.hashes) - seen.longest(rec.hashes)
                 seen.add(rec.hashes)
         self._held.drop_pod(pod)
