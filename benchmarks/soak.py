@@ -32,7 +32,8 @@ Run 2 (the same load, on the same fleet, faults one after another, each followed
                       pull as a failed NIXL READ; the router retries the request without a transfer)
 Per fault: client errors in its window (and which are expected by design), requests retried (router /metrics
 llmd_router_retries_total), seconds until the pod left routing (llmd_router_pod_healthy 0) and came back, and
-survived: the pod came back, the stack served again after it, nothing hung. After both runs every HDF5 written
+survived: the pod came back, the stack served again after it (the window waits, up to SERVE_AGAIN_S, until the
+router has answered SERVED_AGAIN more requests, then settles), nothing hung. After both runs every HDF5 written
 (client, router, engines; a SIGKILLed writer's too) must read with llmd.metrics.read_requests.
 
 Errors expected by design: a stream already answering when its engine is SIGKILLed, or frozen by SIGSTOP until the
@@ -80,7 +81,9 @@ PREFILL, DECODE = 2, 4
 KV_BLOCKS = 24_576  # per engine: 1.57M tokens, the decode pool holds ~1.4x the agents' working set
 STOP_S = 20.0
 RESTART_AFTER_S = 3.0
-SETTLE_S = 20.0  # after a fault's pod is back, before the next fault
+SETTLE_S = 20.0  # after a fault's pod is back and the stack served again, before the next fault
+SERVED_AGAIN = 5  # answers (router's count) that show the stack serves again after a fault
+SERVE_AGAIN_S = 60.0  # the bound on waiting for them
 FAILED_TRANSFERS = 3
 # Agents: mostly in tool calls, short contexts (the machine tokenizes every prompt twice: router and engine).
 WORKLOAD_PARAMS: dict[str, Any] = {
@@ -262,6 +265,24 @@ class Sample:
     healthy: dict[str, bool] = field(default_factory=dict)
     retries: dict[str, float] = field(default_factory=dict)  # by reason, this router incarnation's counter
     kv: dict[str, float] = field(default_factory=dict)  # KV event counters
+    answered: float = 0.0  # chat requests answered 200, this router incarnation's counter
+
+
+class Banked:
+    """Counters summed over router incarnations: one that went down belongs to a new one, so bank the old total."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, float] = {}  # totals of routers that are gone
+        self.last: dict[str, float] = {}
+
+    def update(self, now: dict[str, float]) -> None:
+        for k, v in now.items():
+            if v < self.last.get(k, 0.0):
+                self.base[k] = self.base.get(k, 0.0) + self.last[k]
+            self.last[k] = v
+
+    def totals(self) -> dict[str, float]:
+        return {k: self.base.get(k, 0.0) + self.last.get(k, 0.0) for k in set(self.base) | set(self.last)}
 
 
 class Monitor(threading.Thread):
@@ -277,8 +298,8 @@ class Monitor(threading.Thread):
         self.rss: list[tuple[float, int, float]] = []  # (t, router pid, MB)
         self._halt = threading.Event()
         self._lock = threading.Lock()
-        self._retry_base: dict[str, float] = {}  # totals of routers that are gone
-        self._retry_last: dict[str, float] = {}
+        self._retries = Banked()
+        self._answered = Banked()
         self.first_answer: float | None = None  # when the router had first answered a chat request
 
     def now(self) -> float:
@@ -310,27 +331,28 @@ class Monitor(threading.Thread):
             lab = dict(labels)
             if name == "llmd_router_pod_healthy":
                 s.healthy[lab["pod"]] = v > 0
-            elif name == "llmd_router_requests_total" and self.first_answer is None and v > 0:
-                if lab.get("route") == "/v1/chat/completions":
+            elif name == "llmd_router_requests_total" and lab.get("route") == "/v1/chat/completions":
+                if lab.get("status") == "200":
+                    s.answered += v
+                if self.first_answer is None and v > 0:
                     self.first_answer = t
             elif name == "llmd_router_retries_total":
                 s.retries[lab["reason"]] = v
             elif name.startswith("llmd_router_kv_event_") and name.endswith("_total"):
                 s.kv[name[len("llmd_router_kv_event_") : -len("_total")]] = v
-        self._count_retries(s.retries)
+        with self._lock:
+            self._retries.update(s.retries)
+            self._answered.update({"ok": s.answered})
         return s
-
-    def _count_retries(self, now: dict[str, float]) -> None:
-        # A counter that went down belongs to a new router incarnation: bank the old one's total.
-        for k, v in now.items():
-            if v < self._retry_last.get(k, 0.0):
-                self._retry_base[k] = self._retry_base.get(k, 0.0) + self._retry_last[k]
-            self._retry_last[k] = v
 
     def retries_total(self) -> dict[str, float]:
         with self._lock:
-            keys = set(self._retry_base) | set(self._retry_last)
-            return {k: self._retry_base.get(k, 0.0) + self._retry_last.get(k, 0.0) for k in keys}
+            return self._retries.totals()
+
+    def answered_total(self) -> float:
+        """Chat requests the routers answered 200, over every incarnation."""
+        with self._lock:
+            return self._answered.totals().get("ok", 0.0)
 
     def latest(self) -> Sample | None:
         with self._lock:
@@ -382,6 +404,7 @@ class Fault:
     expected_errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
     served_after: int = 0  # requests served OK in its window after it recovered
+    served_again_s: float | None = None  # pod back -> the router had answered SERVED_AGAIN more requests
 
 
 def healthy(pod: str, want: bool) -> Callable[[Sample], bool]:
@@ -590,7 +613,7 @@ def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         time.sleep(2.0)  # KV event subscriptions
         clean_end = ramp + duration
         # The bench runs until the faults are done; its duration is a bound, the stop is a signal (SIGINT: clean).
-        bound = clean_end + (len(faults) * (STOP_S + 60.0 + SETTLE_S) + 60.0 if faults else 0.0)
+        bound = clean_end + (len(faults) * (STOP_S + 60.0 + SERVE_AGAIN_S + SETTLE_S) + 60.0 if faults else 0.0)
         t_bench = mon.now()
         res["unix_bench"] = time.time()
         bench = subprocess.Popen(
@@ -615,6 +638,15 @@ def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 res["faults"].append(f)
                 break
             fn(fleet, mon, f, quick)
+            # Survival asks that the stack serve again after the pod is back: wait (bounded) until it has, then
+            # settle. A frozen engine's agents come back from their cut turns one tool gap later, so a fixed
+            # settle alone could end the window before any of them asked again.
+            want = mon.answered_total() + SERVED_AGAIN
+            f.served_again_s = mon.wait_for(lambda _s, n=want: mon.answered_total() >= n, SERVE_AGAIN_S)
+            if f.served_again_s is None:
+                f.notes.append(f"fewer than {SERVED_AGAIN} answers within {SERVE_AGAIN_S:g} s after it was back")
+            else:
+                f.notes.append(f"{SERVED_AGAIN} answers {f.served_again_s:.1f} s after it was back")
             time.sleep(SETTLE_S if not quick else 3.0)
             f.t1 = mon.now()
             r1 = mon.retries_total()
