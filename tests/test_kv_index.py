@@ -124,6 +124,36 @@ def test_dp_ranks_are_distinct_holders() -> None:
     assert by_holder(ix, [1, 2, 3]) == {A0: (3, 3, 3)}
 
 
+def test_a_holders_epoch_moves_with_each_update_of_it_and_only_its() -> None:
+    """The router keeps a decision to wait for a prefix holder while the holder's epoch stays: every update of what
+    the holder has moves it (batches, bulk stores and removals, clears, its pod dropped); other holders' do not."""
+    ix = KVIndex()
+    assert ix.epoch(A0) == 0
+    ix.apply("a", batch(stored([1, 2, 3])))
+    ix.apply("b", batch(stored([1, 2])))
+    a0, b0 = ix.epoch(A0), ix.epoch(B0)
+    assert a0 > 0 and b0 > 0
+    ix.query([1, 2, 3])
+    ix.query_columns([1, 2, 3])
+    assert (ix.epoch(A0), ix.epoch(B0)) == (a0, b0)  # reading changes nothing
+    ix.apply("a", batch(BlockRemoved([3], "GPU")))
+    a1 = ix.epoch(A0)
+    assert a1 > a0 and ix.epoch(B0) == b0
+    ix.store(A0, [7, 8], "CPU")
+    a2 = ix.epoch(A0)
+    assert a2 > a1
+    ix.remove(A0, [7], "CPU")
+    a3 = ix.epoch(A0)
+    assert a3 > a2 and ix.epoch(A1) == 0 and ix.epoch(B0) == b0
+    ix.apply("b", batch(AllBlocksCleared()))
+    b1 = ix.epoch(B0)
+    assert b1 > b0
+    ix.apply("a", batch(stored([5]), rank=1))
+    a1_rank1 = ix.epoch(A1)
+    ix.drop_pod("a")
+    assert ix.epoch(A0) > a3 and ix.epoch(A1) > a1_rank1 and ix.epoch(B0) == b1
+
+
 def test_all_blocks_cleared_mid_batch() -> None:
     ix = KVIndex()
     ix.apply("a", batch(stored([1, 2]), stored([3], "CPU"), AllBlocksCleared(), stored([7, 8])))

@@ -134,6 +134,8 @@ def test_native_matches_python(ops, cap, batch, wire) -> None:
             assert a.query(op[1]) == b.query(op[1])
             same_columns(a, b, op[1])
     same(a, b, seen[:50])
+    holders = {(op[1][0], op[1][1] or 0) for op in ops if op[0] == "apply"}
+    assert {h: a.epoch(h) for h in holders} == {h: b.epoch(h) for h in holders}
     for q in (seen, seen[::-1], seen[3:]):
         assert a.query(q) == b.query(q)
         same_columns(a, b, q)

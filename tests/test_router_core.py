@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from llmd.discovery import PodInfo
+from llmd.kv.events import BlockRemoved, EventBatch
 from llmd.kv.index import KVIndex
 from llmd.perf import MODELS, get_gpu
 from llmd.perf.latency import LatencyModel
@@ -262,6 +263,51 @@ def test_a_request_waits_for_its_prefix_holder_until_the_patience_runs_out() -> 
             assert core.pump(wake - 0.01) == [] and core.next_wakeup() is not None  # not yet
             assert core.pump(wake) == [turn] and core.next_wakeup() is None  # patience ran out: recompute elsewhere
             assert turn.flight is not None and turn.flight.target.name == other
+
+
+def test_a_request_waiting_for_its_holder_is_not_rescored_until_the_holder_changes(monkeypatch) -> None:
+    """The decision to wait for the prefix holder stands while nothing changes there: completions at other pods pump
+    the queue without a scoring pass for it (under load that was a pass per waiting head per completion), and a
+    take or give at the holder, or the patience running out, has it decided again."""
+    core = make_core([pod("e0"), pod("e1"), pod("e2")], max_inflight=1)
+    holder = _placed(core, 1, 250)
+    others = [p for p in ("e0", "e1", "e2") if p != holder.name]
+    blocker = admitted(core, job("z", excluded=set(others)), 0.0)
+    holder.ranks[0].kv_usage = 0.3  # its engine's gauge when the turn decides to wait
+    turn = job(1, 260)
+    assert core.submit(turn, 0.0) == [] and turn.patience is not None
+    passes = []
+    schedule = core.scheduler.schedule
+    monkeypatch.setattr(core.scheduler, "schedule", lambda *a, **k: passes.append(1) or schedule(*a, **k))
+    busy = admitted(core, job("y", excluded={holder.name, others[1]}), 0.01)
+    assert busy.target.name == others[0] and len(passes) == 1
+    assert core.complete(busy, 0.05) == [] and len(passes) == 1  # elsewhere: the waiting turn is not scored again
+    holder.ranks[0].kv_usage = 0.5
+    assert core.pump(0.06) == [] and len(passes) == 1  # its engine reports less room: still waiting, not scored
+    holder.ranks[0].kv_usage = 0.2
+    assert core.pump(0.07) == [] and len(passes) == 2  # more room: decided again (the slot is still taken)
+    assert core.complete(blocker, 0.1) == [turn] and len(passes) == 3  # the holder freed: decided again, admitted
+    assert turn.flight is not None and turn.flight.target is holder and turn.patience is None
+
+
+def test_a_wait_for_the_holder_is_decided_again_when_the_holders_kv_events_change(monkeypatch) -> None:
+    """The holder's KV events removed the prefix while the request waited for it: the next pump decides it again
+    (without that it would wait out a patience the holder no longer earns) and it goes to a free pod."""
+    core = make_core([pod("e0"), pod("e1"), pod("e2")], max_inflight=1)
+    holder = _placed(core, 1, 250)
+    others = [p for p in ("e0", "e1", "e2") if p != holder.name]
+    t = 0.5  # the first turn's speculative entries have settled: the index alone says what the holder has
+    admitted(core, job("z", excluded=set(others)), t)  # the holder is full
+    turn = job(1, 260)
+    assert core.submit(turn, t) == [] and turn.patience is not None
+    passes = []
+    schedule = core.scheduler.schedule
+    monkeypatch.setattr(core.scheduler, "schedule", lambda *a, **k: passes.append(1) or schedule(*a, **k))
+    busy = admitted(core, job("y", excluded={holder.name, others[1]}), t + 0.01)
+    assert core.complete(busy, t + 0.02) == [] and len(passes) == 1  # nothing changed at the holder: still waiting
+    core.index.apply(holder.name, EventBatch(t, [BlockRemoved(list(turn.req.block_hashes[1:250]), "GPU")], 0))
+    assert core.pump(t + 0.04) == [turn] and len(passes) == 2
+    assert turn.flight is not None and turn.flight.target.name in others
 
 
 def test_a_holder_is_waited_for_longer_while_other_requests_wait_too() -> None:

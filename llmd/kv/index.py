@@ -124,6 +124,7 @@ class NativeKVIndex(IndexBase):
                 elif kind == CLEARED:
                     self.clear_holder(holder)
                     g = 2 * self._id(holder)
+        self._updated(holder)
         core.evict()
 
     def store(
@@ -131,12 +132,14 @@ class NativeKVIndex(IndexBase):
     ) -> None:
         """The bulk path: one run of consecutive blocks (`parent`: the block before the first), in one tier."""
         g = 2 * self._id(holder)
+        self._updated(holder)
         self._core.store(block_hashes, g if medium in _GPU_MEDIA else g + 1)
         self._core.evict()
 
     def remove(self, holder: Holder, block_hashes: Iterable[int], medium: str | None = GPU) -> None:
         hid = self._ids.get(holder)
         if hid is not None:
+            self._updated(holder)
             self._core.remove(block_hashes, 2 * hid + (0 if medium in _GPU_MEDIA else 1))
 
     def _clear_ids(self, ids: Sequence[int]) -> int:

@@ -105,6 +105,9 @@ class IndexBase:
         self.ids_version = next(_ID_VERSIONS)  # changes whenever a holder gets or loses an id
         self._seq: dict[Hashable, _SeqState] = {}
         self._gaps: deque[Gap] = deque(maxlen=gap_log)
+        # Per holder, how many updates it had (batches, bulk stores and removals, clears): a reader holding a
+        # decision on a holder's cache (the router's wait for a prefix holder) re-decides when this moves.
+        self._epochs: dict[Holder, int] = {}
         self.clears = 0
         self.batches = 0
         self.gap_count = 0
@@ -151,6 +154,14 @@ class IndexBase:
     def _clear_ids(self, ids: Sequence[int]) -> int:
         raise NotImplementedError
 
+    def epoch(self, holder: Holder) -> int:
+        """Moves with every update of what `holder` has (an event batch, a bulk store or removal, a clear, its pod
+        dropped); stays while nothing about it was told. Evictions at the index's own entry cap do not move it."""
+        return self._epochs.get(holder, 0)
+
+    def _updated(self, holder: Holder) -> None:
+        self._epochs[holder] = self._epochs.get(holder, 0) + 1
+
     def apply(self, pod: str, batch: EventBatch, publisher: Hashable | None = None) -> None:
         """Apply one publisher batch; the holder is (pod, the batch's DP rank or 0).
 
@@ -170,12 +181,15 @@ class IndexBase:
         """AllBlocksCleared: the holder forgets everything, GPU and CPU tier alike (a stale hit misroutes a request;
         a forgotten one only costs a routing preference). Returns how many entries it touched."""
         self.clears += 1
+        self._updated(holder)
         hid = self._ids.get(holder)
         return self._clear_ids([hid]) if hid is not None else 0
 
     def drop_pod(self, pod: str) -> int:
         """A pod is gone: forget every DP rank of it, in one pass."""
         ids = [hid for h, hid in self._ids.items() if h[0] == pod]
+        for h in [h for h in self._epochs if h[0] == pod]:
+            self._updated(h)
         for st in self._seq.values():
             st.holders = {h for h in st.holders if h[0] != pod}
         return self._clear_ids(ids)

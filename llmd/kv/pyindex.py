@@ -263,6 +263,7 @@ class PyKVIndex(IndexBase):
                 gbit, cbit = self._bits_of(holder)
         self.blocks_stored += stored
         self.blocks_removed += removed
+        self._updated(holder)
         if len(where) > self.max_entries:
             self._evict()
 
@@ -342,6 +343,7 @@ class PyKVIndex(IndexBase):
     def remove(self, holder: Holder, block_hashes: Iterable[int], medium: str | None = GPU) -> None:
         hid = self._ids.get(holder)
         if hid is not None:
+            self._updated(holder)
             self.blocks_removed += self._remove(block_hashes, 1 << (2 * hid + (0 if medium in _GPU_MEDIA else 1)))
 
     def _remove(self, hashes: Iterable[int], bit: int) -> int:

@@ -31,6 +31,34 @@ if TYPE_CHECKING:
 _WAKE_MARGIN_S = 0.001
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class HolderWait:
+    """A request's decision to wait for the endpoint holding its prefix, and what it was taken on: it stands while
+    nothing was taken or given at the holder, its engine reports no more room (KV use, queue) than then, it holds
+    the same (its KV index epoch; -1: a policy that does not read the index) and the patience lasts (`each_s`
+    per request waiting, Decision.wait_each_s)."""
+
+    pod: Pod
+    holder: tuple[str, int]
+    load: Load
+    version: int  # the Load's then: any take or give there (a sibling's take shares blocks with this request)
+    kv_usage: float  # the holder's gauges then: a scrape showing more free KV or a shorter queue may let it in
+    queued: int
+    each_s: float
+    epoch: int
+
+    def stands(self, index: KVIndex, pods: dict[str, Pod]) -> bool:
+        """Nothing at the holder changed for the better (room, KV, its queue) or the worse (blocks it holds)."""
+        ld, st = self.load, self.pod.ranks[self.holder[1]]
+        return (
+            ld.version == self.version
+            and st.kv_usage >= self.kv_usage
+            and st.running + st.waiting >= self.queued
+            and pods.get(self.pod.name) is self.pod
+            and (self.epoch < 0 or index.epoch(self.holder) == self.epoch)
+        )
+
+
 @dataclass(slots=True, eq=False)
 class Job:
     """One request as the core sees it, across its attempts. `flight` is set when an attempt is admitted, `error`
@@ -45,6 +73,7 @@ class Job:
     flight: Flight | None = None
     error: Exception | None = None
     handle: Any = None
+    patience: HolderWait | None = None  # the decision to wait for its prefix holder, while it stands
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +324,18 @@ class RouterCore:
         """The scheduling decision, taken only when its target has room (else None: wait). `others`: requests
         waiting besides this one (how saturated the fleet is, for the scheduler's holder patience)."""
         req = job.req
+        w = job.patience
+        if w is not None:
+            # A decision to wait for the holder stands until something changes there (a take or give, more room in
+            # its gauges, its KV events: the request may fit, or the wait no longer pay) or the patience runs out
+            # (as the scheduler weighs it, for as many others waiting as now). Re-deciding at every completion
+            # anywhere was a scoring pass per waiting head per completion (an approximate-routed fleet under load:
+            # 40 passes a request, nearly all of the simulator's time).
+            until = job.queued_at + w.each_s * (1 + max(0, others))
+            if now < until and w.stands(self.index, self._pods):
+                self._ask_at(until + _WAKE_MARGIN_S)
+                return None
+            job.patience = None
         hashes = req.block_hashes or req.text_chunk_hashes
         if req.block_hashes:
             unit = req.block_size
@@ -339,6 +380,14 @@ class RouterCore:
         if not self.ledger.has_room(d.target.holder) or not kv_fits(cols.state(slot[d.target.holder]), need, bs):
             if d.wait_s > 0:  # waiting for the prefix holder: ask again when that stops paying, if nothing frees first
                 self._ask_at(now + d.wait_s + _WAKE_MARGIN_S)
+                holder = d.target.holder
+                load = self.ledger.load(holder)
+                epoch = self.index.epoch(holder) if self._cached_from_index else -1
+                st = target.ranks[d.target.dp_rank]
+                job.patience = HolderWait(
+                    target, holder, load, load.version, st.kv_usage, st.running + st.waiting,
+                    d.wait_each_s, epoch,
+                )  # fmt: skip
             return None
         self.scheduler.observe_routed(req, d, now)
         uncached = max(0, req.num_tokens - d.expected_hit_tokens)

@@ -242,7 +242,7 @@ class Scheduler:
         ctx.hit_cols = hc = self._primary.hit_columns(ctx)  # without an index: speculative entries alone
         ctx.cold = self._cold(req, hc, role_ok)
         cands = role_ok
-        patience: dict[Holder, float] = {}
+        patience: dict[Holder, tuple[float, float]] = {}
         if self.tuning.capacity_filter:
             cands = self._with_room(cols, cands, req.kv_tokens, req.block_size)
             if len(cands) < len(role_ok) and self.tuning.holder_patience and self.policy in _SCORING:
@@ -273,7 +273,7 @@ class Scheduler:
         if req.num_tokens > 0:
             expected = min(expected, req.num_tokens)
 
-        wait_s = patience.get(target.endpoint.holder, 0.0)
+        wait_s, wait_each_s = patience.get(target.endpoint.holder, (0.0, 0.0))
         pd, pd_reason = (None, "p2p") if p2p else self._pd(req, cols, ctx, target, expected)
         self._capacity[target.endpoint.holder] = (target.state.kv_capacity_blocks, target.state.cpu_capacity_blocks)
         scores: Mapping[Endpoint, EndpointScore] = {}
@@ -292,6 +292,7 @@ class Scheduler:
             pd_reason=pd_reason,
             cold=bool(ctx.cold),
             wait_s=wait_s,
+            wait_each_s=wait_each_s,
         )
 
     def _with_room(self, cols: Columns, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
@@ -310,7 +311,7 @@ class Scheduler:
         room: np.ndarray,
         waited_s: float,
         queued: int = 0,
-    ) -> tuple[np.ndarray, dict[Holder, float]]:
+    ) -> tuple[np.ndarray, dict[Holder, tuple[float, float]]]:
         """`room` (a strict subset of `role_ok`: called only when some endpoint lacks room and another has it) plus
         the endpoints without room whose cached prefix of this request still pays to wait for, less what the request
         has waited already. Sending it elsewhere recomputes that prefix there (and evicts other sessions' prefixes to
@@ -322,7 +323,7 @@ class Scheduler:
         it costs (1 + queued) times that. (Measured with llmd's cluster simulator on benchmarks/routing_fleet.py's
         fleet, three seeds: at 2x KV pressure hit share 0.43 -> 0.50, req/s +4%; with a CPU tier 0.53 -> 0.73,
         req/s +11%; at 1x unchanged.) Returns the candidates (positions, ascending as `role_ok`) and each waiting
-        one's remaining patience."""
+        one's remaining patience and its patience per request waiting (Decision.wait_each_s)."""
         tokens = hc.tokens
         best_room = int(tokens[room].max()) if len(room) else 0  # tokens are 0 where no hit: max(..., default=0)
         in_room = np.zeros(cols.n, dtype=bool)
@@ -334,13 +335,14 @@ class Scheduler:
         scale = self.tuning.time_scale
         holders = cols.holders
         keep: list[int] = []
-        patience: dict[Holder, float] = {}
+        patience: dict[Holder, tuple[float, float]] = {}
         for i in longer.tolist():
             saved = int(tokens[i]) - best_room
-            left = self.decode_model.prefill_time(saved, best_room) * (1 + queued) * scale - waited_s
+            each = self.decode_model.prefill_time(saved, best_room) * scale
+            left = each * (1 + queued) - waited_s
             if left > 0:
                 keep.append(i)
-                patience[holders[i]] = left
+                patience[holders[i]] = (left, each)
         if not keep:
             return room, patience
         return np.sort(np.concatenate([room, np.array(keep, dtype=room.dtype)])), patience

@@ -276,6 +276,8 @@ class Decision:
     cold: no candidate held any prefix (feeds the no-hit-LRU scorer through `Scheduler.observe_routed`).
     wait_s: > 0 when the target has no room now (slots or KV) but holds enough of the prompt that waiting for it up
         to this many more seconds beats computing the prompt elsewhere; the caller holds the request and asks again.
+    wait_each_s: with wait_s, the patience per request waiting: waiting for the target pays for wait_each_s x (1 +
+        the other requests waiting) from when the request began to wait (wait_s is what is left of that now).
     """
 
     target: Endpoint
@@ -290,3 +292,4 @@ class Decision:
     pd_reason: str = ""
     cold: bool = False
     wait_s: float = 0.0
+    wait_each_s: float = 0.0
