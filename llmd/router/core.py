@@ -227,6 +227,7 @@ class RouterCore:
         job.queued_at = now
         job.flight = None
         job.error = None
+        job.patience = None  # a new attempt decides afresh (it may exclude the pod it waited for)
         q = self.queue
         queued = q.waiting
         if not queued:  # requests wait while others wait: no overtaking the queue
