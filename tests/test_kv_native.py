@@ -82,6 +82,48 @@ def _mix64(h: int) -> int:
     return h ^ (h >> 32)
 
 
+def test_the_table_grows_a_few_slots_at_a_time_and_loses_nothing() -> None:
+    """A doubling moves the old table's slots a few at a time (whole runs: every insertion moves MIGRATE_STEP slots,
+    then on to its run's end). In the middle of a move, lookups, removals (backward shifts in either table), evictions
+    and queries answer as the Python index does; keys crowd a few homes, some at the table's end, so runs are long,
+    wrap round and have saturated distances on both sides of the move."""
+    import random
+
+    rnd = random.Random(3)
+    crowded: list[int] = []
+    while len(crowded) < 400:
+        k = rnd.getrandbits(64)
+        if _mix64(k) & 1023 in (5, 6, 1022, 1023):  # the first table's homes; the grown one splits them in two
+            crowded.append(k)
+    keys = crowded + [rnd.getrandbits(64) for _ in range(9000)]
+    rnd.shuffle(keys)
+    a, b = PyKVIndex(max_entries=5_000, evict_batch=0), NativeKVIndex(max_entries=5_000, evict_batch=0)
+    mid_move = 0
+    done: list[int] = []
+    for step in range(300):
+        run = keys[step * 30 : step * 30 + 30] or rnd.sample(keys, 30)
+        holder = (f"pod-{step % 4}", 0)
+        for ix in (a, b):
+            ix.store(holder, run, "GPU" if step % 2 else "CPU")
+        done += run
+        gone = rnd.sample(done, 8)
+        for ix in (a, b):
+            ix.remove(holder, gone, "GPU" if step % 2 else "CPU")
+            ix.remove((f"pod-{(step + 1) % 4}", 0), gone[:3], "GPU")
+        if b._core.growing:
+            mid_move += 1
+            b._core.check()
+            probe = run[:10] + gone[:4] + crowded[step % 40 : step % 40 + 10]
+            assert all((k in a) == (k in b) for k in probe)
+            assert a.query(run) == b.query(run)
+            same_columns(a, b, run)
+        if step % 25 == 24:
+            same(a, b, crowded[:60])
+    assert mid_move >= 20  # the checks above did run in the middle of moves (1,024 -> 8,192 slots)
+    assert b.evictions == a.evictions > 0
+    same(a, b, crowded)
+
+
 def test_crowded_homes_at_cap_keep_the_table_ordered() -> None:
     """Keys whose homes crowd into a few slots of the 2,048-slot table: runs of dozens, distances far past the 7 a
     slot can say, so probes, Robin Hood insertions, deletions and evictions read keys to learn true distances. Every

@@ -5,7 +5,8 @@
  * bits of the key's hash and the slot's distance from the key's home (3 bits, 7 meaning 7 or more), kept in Robin
  * Hood order (see probe()), so probes for new blocks end early and distances rarely saturate. Lookups compare keys
  * only where tag and distance both match; deletion shifts entries back by their distances alone, without reading
- * their keys (a random cache miss each). Table and slab sit in huge pages where the system allows (slab_map()).
+ * their keys (a random cache miss each). Table and slab go into huge pages once written (huge_hint()), and the
+ * table grows a few slots per insertion (table_grow()): nothing on the caller's path stalls for a whole table.
  * Masks (which holder holds the block, in which tier: GPU bit 2*id, CPU bit 2*id+1) are interned:
  * a fleet has few distinct holder sets, so an entry holds an id, and a store or removal moves it to another id
  * through a small transition cache. About 27 bytes an entry at 20M entries, where a dict of Python ints costs ~120.
@@ -50,9 +51,11 @@ typedef struct {
     uint32_t ecap, eused, efree, count;
     void *slab_map; /* the slab's reserved address space once it is large (slab_grow), else NULL: PyMem arrays */
     size_t slab_map_len;
-    /* hash table */
+    /* hash table; while it grows, `old` (osize slots) still holds the entries not yet moved (table_grow) */
     uint32_t *slots;
     uint32_t tsize;
+    uint32_t *old;
+    uint32_t osize, mig, mig_left; /* the next old slot to move, and how many old slots are left to pass */
     /* interned masks; id 0 is the empty mask */
     uint32_t nwords, mcap, mused, mlive, mgc_at;
     uint64_t *mw, *mh;
@@ -202,7 +205,10 @@ static uint32_t trans(Core *c, uint32_t from, uint32_t bit, int set) {
 
 static inline size_t huge_round(size_t n) { return (n + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
 
-/* The 2 MB-aligned part of [p, p + len), not yet written, into huge pages as it is first written. */
+/* The 2 MB-aligned part of [p, p + len) into huge pages: khugepaged collapses what is written already, in the
+ * background. Only memory already written is hinted: with the common THP defrag setting (madvise) a first write to a
+ * hinted page compacts memory for a whole huge page right there, 25-100 ms each on a busy machine, and a new table's
+ * random writes touch all of its pages at once (0.9 s for a 64 MB table, seen at 6.3M entries). */
 static void huge_hint(void *p, size_t len) {
 #ifdef MADV_HUGEPAGE
     uintptr_t lo = huge_round((uintptr_t)p), hi = ((uintptr_t)p + len) & ~(HUGE_PAGE - 1);
@@ -250,8 +256,9 @@ static inline uint32_t probe(const Core *c, const uint32_t *slots, uint32_t m, u
 }
 
 static inline uint32_t find(const Core *c, uint64_t k) {
-    uint32_t at, dist;
-    return probe(c, c->slots, c->tsize - 1, k, 1, &at, &dist);
+    uint32_t at, dist, e = probe(c, c->slots, c->tsize - 1, k, 1, &at, &dist);
+    if (!e && c->old) e = probe(c, c->old, c->osize - 1, k, 1, &at, &dist);
+    return e;
 }
 
 static inline void prefetch_slot(const Core *c, uint64_t k) {
@@ -270,36 +277,75 @@ static inline void insert_at(uint32_t *slots, uint32_t m, uint32_t pos, uint32_t
     }
 }
 
+/* Growth is incremental: a doubling of a table of millions of entries in one go stalled the router's event loop for
+ * seconds (0.6 s at 3M entries, 2.1 s at 12.6M). The new table takes every new entry; each insertion then moves at
+ * least MIGRATE_STEP slots of the old one, always on to the end of a run: a run moves whole, so a lookup in the old
+ * table (every probe starts at its key's home and follows its run) sees the entries left there as they were, and
+ * slots already moved are empty. Deletions in the old table shift entries back only within their run, never into
+ * the moved part. The old table is done after osize / MIGRATE_STEP insertions at most, long before the new one is
+ * due to grow (it starts at 3/8 full). */
+#define MIGRATE_STEP 4u
+
+static void migrate(Core *c, uint32_t n) {
+    uint32_t om = c->osize - 1, m = c->tsize - 1;
+    while (c->mig_left) {
+        uint32_t s = c->old[c->mig];
+        if (s) {
+            uint32_t e = s & IDX_MASK, at, d;
+            probe(c, c->slots, m, c->key[e], 0, &at, &d);
+            insert_at(c->slots, m, at, d, s & TAG_FIELD, e);
+            c->old[c->mig] = 0;
+        } else if (!n) {
+            break; /* at a run's end: the old table's runs from here on are whole */
+        }
+        c->mig = (c->mig + 1) & om;
+        c->mig_left--;
+        if (n) n--;
+    }
+    if (!c->mig_left) {
+        PyMem_Free(c->old);
+        c->old = NULL;
+        c->osize = 0;
+        huge_hint(c->slots, (size_t)c->tsize * sizeof(uint32_t)); /* written nearly everywhere by now (huge_hint) */
+    }
+}
+
 static int table_grow(Core *c) {
-    uint32_t size = c->tsize * 2, m = size - 1;
+    if (c->old) migrate(c, UINT32_MAX); /* not expected (see above), but a table grows from one old table at most */
+    uint32_t size = c->tsize * 2;
     uint32_t *t = PyMem_Calloc(size, sizeof(uint32_t));
     if (!t) return -1;
-    huge_hint(t, (size_t)size * sizeof(uint32_t)); /* large callocs are fresh mappings, untouched until filled below */
-    for (uint32_t pos = 0; pos < c->tsize; pos++) {
-        uint32_t s = c->slots[pos], at, d;
-        if (!s) continue;
-        uint64_t k = c->key[s & IDX_MASK];
-        probe(c, t, m, k, 0, &at, &d);
-        insert_at(t, m, at, d, s & TAG_FIELD, s & IDX_MASK);
-    }
-    PyMem_Free(c->slots);
+    uint32_t start = 0; /* moving starts at an empty slot: from there on every run is whole (load <= 3/4: one exists) */
+    while (c->slots[start]) start++;
+    c->old = c->slots;
+    c->osize = c->tsize;
+    c->mig = start;
+    c->mig_left = c->tsize;
     c->slots = t;
     c->tsize = size;
     return 0;
 }
 
-/* Take entry e out of the table: the entries after it move back a slot, up to an empty slot or one at its home. */
-static void table_del(Core *c, uint32_t e) {
-    uint32_t m = c->tsize - 1, i = (uint32_t)mix64(c->key[e]) & m;
-    while ((c->slots[i] & IDX_MASK) != e) i = (i + 1) & m;
+/* Take entry e out of a table if it is there (its run, from its home, holds it): the entries after it move back a
+ * slot, up to an empty slot or one at its home. */
+static int table_del_in(Core *c, uint32_t *slots, uint32_t size, uint32_t e) {
+    uint32_t m = size - 1, i = (uint32_t)mix64(c->key[e]) & m, s;
+    while ((s = slots[i]) && (s & IDX_MASK) != e) i = (i + 1) & m;
+    if (!s) return 0;
     for (;;) {
-        uint32_t j = (i + 1) & m, s = c->slots[j];
+        uint32_t j = (i + 1) & m;
+        s = slots[j];
         if (!s || !DIST_OF(s)) break;
         uint32_t d = slot_dist(c, s, j, m) - 1;
-        c->slots[i] = (s & ~DIST_FIELD) | ((d < DIST_SAT ? d : DIST_SAT) << DIST_SHIFT);
+        slots[i] = (s & ~DIST_FIELD) | ((d < DIST_SAT ? d : DIST_SAT) << DIST_SHIFT);
         i = j;
     }
-    c->slots[i] = 0;
+    slots[i] = 0;
+    return 1;
+}
+
+static void table_del(Core *c, uint32_t e) {
+    if (!table_del_in(c, c->slots, c->tsize, e) && c->old) table_del_in(c, c->old, c->osize, e);
 }
 
 static inline void lru_unlink(Core *c, uint32_t e) {
@@ -316,17 +362,16 @@ static inline void lru_append(Core *c, uint32_t e) {
     c->prv[0] = e;
 }
 
-/* Move the slab into one reservation of address space for 2**27 entries, in huge pages: pages are only taken as
- * entries are first written (MAP_NORESERVE), so memory stays what realloc would hold, and the slab never moves or
- * grows again (realloc's moves split huge pages back into small ones). 0, or -1 where the reservation is refused
- * (an address-space limit): the slab then stays on PyMem. */
+/* Move the slab into one reservation of address space for 2**27 entries: pages are only taken as entries are first
+ * written (MAP_NORESERVE), so memory stays what realloc would hold, and the slab never moves or grows again
+ * (realloc's moves split huge pages back into small ones). What is written goes into huge pages as it fills
+ * (slab_hint). 0, or -1 where the reservation is refused (an address-space limit): the slab then stays on PyMem. */
 static int slab_map(Core *c) {
     size_t cap = (size_t)MAX_ENTRY_INDEX + 1, lk = huge_round(cap * 8), l4 = huge_round(cap * 4);
     size_t len = lk + 3 * l4 + HUGE_PAGE;
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return -1;
     uint8_t *base = (uint8_t *)huge_round((uintptr_t)p);
-    huge_hint(base, lk + 3 * l4);
     uint64_t *key = (uint64_t *)base;
     uint32_t *msk = (uint32_t *)(base + lk), *prv = (uint32_t *)(base + lk + l4);
     uint32_t *nxt = (uint32_t *)(base + lk + 2 * l4);
@@ -346,6 +391,15 @@ static int slab_map(Core *c) {
     c->slab_map = p;
     c->slab_map_len = len;
     return 0;
+}
+
+/* The slab's first n entries, written, into huge pages (huge_hint): every SLAB_HINT_EVERY new entries, 2 MB of keys. */
+#define SLAB_HINT_EVERY (1u << 18)
+static void slab_hint(Core *c, uint32_t n) {
+    huge_hint(c->key, (size_t)n * sizeof(uint64_t));
+    huge_hint(c->msk, (size_t)n * sizeof(uint32_t));
+    huge_hint(c->prv, (size_t)n * sizeof(uint32_t));
+    huge_hint(c->nxt, (size_t)n * sizeof(uint32_t));
 }
 
 static int slab_grow(Core *c) {
@@ -388,6 +442,10 @@ static void entry_free(Core *c, uint32_t e) {
 /* Store one block for `bit`: known blocks gain the bit and become the most recent; new ones are appended. */
 static int store_one(Core *c, uint64_t k, uint32_t bit) {
     uint32_t at = 0, dist = 0, e = probe(c, c->slots, c->tsize - 1, k, 1, &at, &dist);
+    if (!e && c->old) {
+        uint32_t oat, odist;
+        e = probe(c, c->old, c->osize - 1, k, 1, &oat, &odist);
+    }
     if (e) {
         uint32_t old = c->msk[e];
         if (!mask_has(c, old, bit)) {
@@ -409,6 +467,7 @@ static int store_one(Core *c, uint64_t k, uint32_t bit) {
     } else {
         if (c->eused == c->ecap && slab_grow(c) < 0) return -1;
         e = c->eused++;
+        if (c->slab_map && !(e & (SLAB_HINT_EVERY - 1))) slab_hint(c, e);
     }
     if ((c->count + 1) * 4ULL > c->tsize * 3ULL) {
         if (table_grow(c) < 0) {
@@ -432,6 +491,7 @@ static int store_one(Core *c, uint64_t k, uint32_t bit) {
     insert_at(c->slots, c->tsize - 1, at, dist, TAG_OF(mix64(k)), e);
     lru_append(c, e);
     c->count++;
+    if (c->old) migrate(c, MIGRATE_STEP);
     return 0;
 }
 
@@ -549,6 +609,7 @@ static void Core_dealloc(Core *c) {
         PyMem_Free(c->nxt);
     }
     PyMem_Free(c->slots);
+    PyMem_Free(c->old);
     PyMem_Free(c->mw);
     PyMem_Free(c->mh);
     PyMem_Free(c->mref);
@@ -1049,14 +1110,19 @@ static PyObject *Core_check(Core *c, PyObject *Py_UNUSED(ignored)) {
         refs[c->msk[e]]++;
         if (++n > c->count) goto bad;
     }
-    for (uint32_t pos = 0; pos < c->tsize; pos++) {
-        uint32_t s = c->slots[pos], m = c->tsize - 1;
-        if (!s) continue;
-        inslots++;
-        uint64_t hk = mix64(c->key[s & IDX_MASK]);
-        uint32_t d = (pos - (uint32_t)hk) & m, ps = c->slots[(pos - 1) & m];
-        if ((s & ~IDX_MASK) != (TAG_OF(hk) | ((d < DIST_SAT ? d : DIST_SAT) << DIST_SHIFT))) goto bad;
-        if (d && (!ps || d > slot_dist(c, ps, (pos - 1) & m, m) + 1)) goto bad; /* a hole, or out of home order */
+    for (int t = 0; t < 2; t++) {
+        const uint32_t *slots = t ? c->old : c->slots;
+        uint32_t size = t ? c->osize : c->tsize, m = size - 1;
+        if (!slots) continue;
+        for (uint32_t pos = 0; pos < size; pos++) {
+            uint32_t s = slots[pos];
+            if (!s) continue;
+            inslots++;
+            uint64_t hk = mix64(c->key[s & IDX_MASK]);
+            uint32_t d = (pos - (uint32_t)hk) & m, ps = slots[(pos - 1) & m];
+            if ((s & ~IDX_MASK) != (TAG_OF(hk) | ((d < DIST_SAT ? d : DIST_SAT) << DIST_SHIFT))) goto bad;
+            if (d && (!ps || d > slot_dist(c, ps, (pos - 1) & m, m) + 1)) goto bad; /* a hole, or out of home order */
+        }
     }
     if (n != c->count || inslots != c->count) goto bad;
     for (uint32_t id = 1; id < c->mused; id++)
@@ -1072,7 +1138,7 @@ bad:
 static Py_ssize_t Core_len(Core *c) { return c->count; }
 
 static PyObject *Core_nbytes(Core *c, PyObject *Py_UNUSED(ignored)) {
-    size_t b = (size_t)c->eused * 20 + (size_t)c->tsize * 4 + (size_t)c->mused * (c->nwords * 8 + 8 + 4 + 1 + 4) +
+    size_t b = (size_t)c->eused * 20 + ((size_t)c->tsize + c->osize) * 4 + (size_t)c->mused * (c->nwords * 8 + 8 + 4 + 1 + 4) +
                (size_t)c->mtsize * 4 + TC_SIZE * 12;
     return PyLong_FromSize_t(b);
 }
@@ -1080,6 +1146,9 @@ static PyObject *Core_nbytes(Core *c, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Core_get_counters(Core *c, void *Py_UNUSED(closure)) {
     return Py_BuildValue("(LLLI)", c->evictions, c->blocks_stored, c->blocks_removed, c->mlive);
 }
+
+/* Slots of the old table still to pass while the table grows (table_grow), else 0. */
+static PyObject *Core_get_growing(Core *c, void *Py_UNUSED(closure)) { return PyLong_FromUnsignedLong(c->mig_left); }
 
 static PyObject *Core_get_max(Core *c, void *Py_UNUSED(closure)) { return PyLong_FromLongLong(c->max_entries); }
 static int Core_set_max(Core *c, PyObject *v, void *Py_UNUSED(closure)) {
@@ -1720,6 +1789,7 @@ static PyGetSetDef Core_getset[] = {
     {"counters", (getter)Core_get_counters, NULL, NULL, NULL},
     {"max_entries", (getter)Core_get_max, (setter)Core_set_max, NULL, NULL},
     {"evict_batch", (getter)Core_get_batch, (setter)Core_set_batch, NULL, NULL},
+    {"growing", (getter)Core_get_growing, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
