@@ -255,10 +255,15 @@ static inline uint32_t probe(const Core *c, const uint32_t *slots, uint32_t m, u
     return 0;
 }
 
+/* k's entry in the old table while the table grows (table_grow), else 0. */
+static inline uint32_t find_old(const Core *c, uint64_t k) {
+    uint32_t at, dist;
+    return c->old ? probe(c, c->old, c->osize - 1, k, 1, &at, &dist) : 0;
+}
+
 static inline uint32_t find(const Core *c, uint64_t k) {
     uint32_t at, dist, e = probe(c, c->slots, c->tsize - 1, k, 1, &at, &dist);
-    if (!e && c->old) e = probe(c, c->old, c->osize - 1, k, 1, &at, &dist);
-    return e;
+    return e ? e : find_old(c, k);
 }
 
 static inline void prefetch_slot(const Core *c, uint64_t k) {
@@ -442,10 +447,7 @@ static void entry_free(Core *c, uint32_t e) {
 /* Store one block for `bit`: known blocks gain the bit and become the most recent; new ones are appended. */
 static int store_one(Core *c, uint64_t k, uint32_t bit) {
     uint32_t at = 0, dist = 0, e = probe(c, c->slots, c->tsize - 1, k, 1, &at, &dist);
-    if (!e && c->old) {
-        uint32_t oat, odist;
-        e = probe(c, c->old, c->osize - 1, k, 1, &oat, &odist);
-    }
+    if (!e) e = find_old(c, k); /* at and dist stay where a new entry goes: the new table */
     if (e) {
         uint32_t old = c->msk[e];
         if (!mask_has(c, old, bit)) {
@@ -1138,8 +1140,8 @@ bad:
 static Py_ssize_t Core_len(Core *c) { return c->count; }
 
 static PyObject *Core_nbytes(Core *c, PyObject *Py_UNUSED(ignored)) {
-    size_t b = (size_t)c->eused * 20 + ((size_t)c->tsize + c->osize) * 4 + (size_t)c->mused * (c->nwords * 8 + 8 + 4 + 1 + 4) +
-               (size_t)c->mtsize * 4 + TC_SIZE * 12;
+    size_t b = (size_t)c->eused * 20 + ((size_t)c->tsize + c->osize) * 4 +
+               (size_t)c->mused * (c->nwords * 8 + 8 + 4 + 1 + 4) + (size_t)c->mtsize * 4 + TC_SIZE * 12;
     return PyLong_FromSize_t(b);
 }
 
