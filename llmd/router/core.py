@@ -20,7 +20,15 @@ from llmd.router.admission import QueueFull, Rate, WaitQueue, retry_after
 from llmd.router.fleet import Fleet, RequestColumns
 from llmd.router.ledger import NO_KV, Flight, KVKey, Ledger, Load
 from llmd.router.pods import Pod
-from llmd.router.scheduling import Decision, Endpoint, NoEndpointError, RouteRequest, Scheduler, Snapshot
+from llmd.router.scheduling import (
+    Decision,
+    Endpoint,
+    NoEndpointError,
+    RouteRequest,
+    Scheduler,
+    Snapshot,
+    holder_patience_s,
+)
 from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
 
@@ -332,7 +340,7 @@ class RouterCore:
             # (as the scheduler weighs it, for as many others waiting as now). Re-deciding at every completion
             # anywhere was a scoring pass per waiting head per completion (an approximate-routed fleet under load:
             # 40 passes a request, nearly all of the simulator's time).
-            until = job.queued_at + w.each_s * (1 + max(0, others))
+            until = job.queued_at + holder_patience_s(w.each_s, max(0, others))
             if now < until and w.stands(self.index, self._pods):
                 self._ask_at(until + _WAKE_MARGIN_S)
                 return None

@@ -22,6 +22,7 @@ from llmd.router.scheduling.state import (
     PDDecision,
     RouteRequest,
     Snapshot,
+    holder_patience_s,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Snapshot",
     "Tuning",
     "filters",
+    "holder_patience_s",
     "load",
     "no_hit_lru",
     "picker",

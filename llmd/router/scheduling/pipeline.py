@@ -61,6 +61,7 @@ from llmd.router.scheduling.state import (
     RouteRequest,
     ScoreTable,
     Snapshot,
+    holder_patience_s,
 )
 
 if TYPE_CHECKING:
@@ -339,7 +340,7 @@ class Scheduler:
         for i in longer.tolist():
             saved = int(tokens[i]) - best_room
             each = self.decode_model.prefill_time(saved, best_room) * scale
-            left = each * (1 + queued) - waited_s
+            left = holder_patience_s(each, queued) - waited_s
             if left > 0:
                 keep.append(i)
                 patience[holders[i]] = (left, each)

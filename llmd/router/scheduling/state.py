@@ -259,6 +259,13 @@ class PDDecision:
     cold: bool = False  # the prefill pod was placed as for a new session (no-hit LRU), not by its prefix
 
 
+def holder_patience_s(each_s: float, queued: int) -> float:
+    """How long, from when it began to wait, a request may wait for its prefix holder: the prefill it saves there
+    (`each_s`, Decision.wait_each_s) once for itself and once for each of the `queued` others waiting, whom a
+    recompute elsewhere would delay too (Scheduler._patient; the router core keeps a wait decided on it)."""
+    return each_s * (1 + queued)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where a request goes and why.
