@@ -406,6 +406,33 @@ def test_same_prompt_again_reuses_everything(tok: Tokenizer) -> None:
     assert again.token_ids.tolist() == first.token_ids.tolist() and again.block_hashes == first.block_hashes
 
 
+def test_short_prompts_are_remembered_whole(style_toks: dict[str, Tokenizer]) -> None:
+    """A prompt under the first anchor is found again by its whole text and context only: the same text gives the
+    same tokens and hashes without tokenizing, another salt or special-token choice is its own entry, the memo stays
+    within its share of the budget, and a client's session id names the result either way."""
+    t = style_toks["llama3"]  # adds a BOS token
+    hasher = BlockHasher(4)
+    cache = PromptCache(t, hasher, max_tokens=8 * 200)
+    text = "You are a careful assistant. Summarize the file below in three lines."
+    first = cache.encode(text)
+    again = cache.encode(text)
+    assert first.mode == "full" and again.mode == "incremental" and cache.stats()["repeats"] == 1
+    assert again.token_ids.tolist() == first.token_ids.tolist() == t.encode(text)
+    assert again.block_hashes == first.block_hashes == hasher.event_hashes(t.encode(text))
+    assert again.reused_tokens == again.num_tokens and again.reused_blocks == len(again.block_hashes)
+    assert again.session == first.session and cache.encode(text, session="s1").session == "s1"
+    assert cache.encode(text).session == first.session
+    salted = cache.encode(text, cache_salt="a")
+    assert salted.mode == "full" and salted.block_hashes == hasher.event_hashes(t.encode(text), cache_salt="a")
+    plain = cache.encode(text, add_special_tokens=False)
+    assert plain.mode == "full" and plain.token_ids.tolist() == t.encode(text)[1:]
+    assert cache.stats()["short_entries"] == 3 and cache.stats()["evictions"] == 0
+    for i in range(20):
+        cache.encode(f"{text} Variant {i}.")
+        assert cache.stats()["short_tokens"] <= 200
+    assert cache.encode(text).mode == "full"  # evicted, least recently used first
+
+
 def test_cache_salt_and_special_tokens_rehash(style_toks: dict[str, Tokenizer]) -> None:
     t = style_toks["llama3"]  # adds a BOS token
     hasher = BlockHasher(4)

@@ -19,6 +19,7 @@ without a pre-tokenizer (SentencePiece BPE as Llama 2 ships it) have no word sta
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -45,7 +46,9 @@ _BACKOFF_WORDS = (4, 32, 256)
 # decide: a prompt takes the place of its own session's that it shares at least half with (the agent rewrote a tail).
 _REWRITE_SLACK = 64
 _SAME_SESSION_FRACTION = 0.5
-_NONE = array("i")  # the spans and words of a prompt that is not remembered: never read
+# Prompts shorter than the first anchor are remembered whole, found only by their whole text (a retried request, a
+# burst of sub-agents sent the same task, a benchmark's or an eval's prompt set), in this share of max_tokens.
+_SHORT_SHARE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +110,7 @@ class PromptCache:
     together; past it the least recently used go (about 12 bytes a token plus the text and the block hashes).
     max_candidates: remembered prompts compared with a new one at most. margin_chars: how far before the divergence the
     reused tokens must end (default: twice the longest added token, at least 32). Not thread-safe: one cache per event
-    loop. Prompts shorter than 1 KiB are tokenized whole and not remembered.
+    loop. Prompts shorter than 1 KiB are tokenized whole and remembered whole: the same text again costs a lookup.
     """
 
     def __init__(
@@ -137,7 +140,10 @@ class PromptCache:
         self._index: dict[tuple[int, int], dict[int, None]] = {}  # anchor (offset, fingerprint) -> entry ids
         self._ids = count()
         self.tokens = 0
-        self.counts = {"incremental": 0, "full": 0, "fallbacks": 0, "evictions": 0}
+        # Short prompts by (text, special, salt, lora), least recently used first, holding `_short_tokens` tokens.
+        self._short: OrderedDict[tuple[Any, ...], Encoded] = OrderedDict()
+        self._short_tokens = 0
+        self.counts = {"incremental": 0, "full": 0, "fallbacks": 0, "evictions": 0, "repeats": 0}
 
     def _probe_affixes(self) -> tuple[list[int], list[int]] | None:
         """The tokens the post-processor puts before and after a text, or None when that is not a fixed affix."""
@@ -190,6 +196,8 @@ class PromptCache:
         affixes = self._affixes[special]
         if affixes is None:
             return self._uncached(text, special, cache_salt, lora, session)
+        if len(text) < _ANCHOR_MIN:
+            return self._encode_short(text, special, cache_salt, lora, session, affixes)
         base, common = self._lookup(text, session)
         # A prompt that continues a remembered one takes its place (its arrays are then updated in place).
         replace = False
@@ -203,13 +211,10 @@ class PromptCache:
             spliced = self._splice(base, text, common, replace)
             if spliced is None:
                 self.counts["fallbacks"] += 1
-        remember = len(text) >= _ANCHOR_MIN  # a shorter prompt is not found again (and cheap to tokenize whole)
         if spliced is None:
             enc = self._raw.encode(text, add_special_tokens=False)
             ids, k = array("i", enc.ids), 0
-            # The spans and words serve only a later splice from a remembered prompt: reading them out of the
-            # encoding costs half as much again as tokenizing a short prompt.
-            starts, words = (_starts(enc.offsets, 0), _words(enc.word_ids)) if remember else (_NONE, _NONE)
+            starts, words = _starts(enc.offsets, 0), _words(enc.word_ids)
             self.counts["full"] += 1
         else:
             ids, starts, words, k = spliced
@@ -222,15 +227,47 @@ class PromptCache:
             final.extend(post)
         hash_key = (special, cache_salt, lora)
         reuse, hashes, event_hashes = self._hash(base if k else None, len(pre) + k, final, hash_key)
-        if not remember:
-            lineage = session or _lineage(text)
-        else:
-            entry = self._remember(base if replace else None, common, text, ids, starts, words, session)
-            entry.hash_key, entry.hashes, entry.event_hashes = hash_key, hashes, event_hashes
-            lineage = entry.session
-            self._evict()
+        entry = self._remember(base if replace else None, common, text, ids, starts, words, session)
+        entry.hash_key, entry.hashes, entry.event_hashes = hash_key, hashes, event_hashes
+        lineage = entry.session
+        self._evict()
         mode: Literal["incremental", "full"] = "incremental" if k else "full"
         return Encoded(final, event_hashes, len(final), len(pre) + k if k else 0, reuse, mode, lineage)
+
+    def _encode_short(
+        self,
+        text: str,
+        special: bool,
+        cache_salt: str | None,
+        lora: tuple[str, str] | None,
+        session: str | None,
+        affixes: tuple[list[int], list[int]],
+    ) -> Encoded:
+        """A prompt too short to splice: the remembered result for the same text and context, else tokenized whole.
+        No spans or words are read out of the encoding: they would serve only a splice, and reading them costs half
+        as much again as tokenizing a short prompt."""
+        key = (text, special, cache_salt, lora)
+        got = self._short.get(key)
+        if got is not None:
+            self._short.move_to_end(key)
+            self.counts["repeats"] += 1
+            return got if session is None or session == got.session else dataclasses.replace(got, session=session)
+        pre, post = affixes
+        final = array("i", pre)
+        final.extend(self._raw.encode(text, add_special_tokens=False).ids)
+        final.extend(post)
+        event_hashes = self.hasher.event_hashes(final, cache_salt=cache_salt, lora=lora) if self.hasher else []
+        self.counts["full"] += 1
+        enc = Encoded(final, event_hashes, len(final), 0, 0, "full", session or _lineage(text))
+        # Remembered as an exact repeat would be served: everything reused, under the text's own lineage.
+        self._short[key] = Encoded(final, event_hashes, len(final), len(final), len(event_hashes), "incremental",
+                                   enc.session if session is None else _lineage(text))  # fmt: skip
+        self._short_tokens += len(final)
+        while self._short_tokens > self.max_tokens // _SHORT_SHARE and self._short:
+            _, old = self._short.popitem(last=False)
+            self._short_tokens -= old.num_tokens
+            self.counts["evictions"] += 1
+        return enc
 
     def _hash(
         self, base: _Entry | None, same: int, final: array, hash_key: tuple[Any, ...]
@@ -256,7 +293,13 @@ class PromptCache:
         return Encoded(final, hashes, len(final), 0, 0, "full", session or _lineage(text))
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "tokens": self.tokens, **self.counts}
+        return {
+            "entries": len(self._entries),
+            "tokens": self.tokens,
+            "short_entries": len(self._short),
+            "short_tokens": self._short_tokens,
+            **self.counts,
+        }
 
     # ---- finding the remembered prompt -----------------------------------------------------------------------------
 
