@@ -36,7 +36,7 @@ from aiohttp import web
 from llmd import runid
 from llmd.discovery import PodInfo
 from llmd.kv.index import KVIndex
-from llmd.net import http_client
+from llmd.net import h1, http_client
 from llmd.net.limits import BodyTimeout, ServerLimits, read_body
 from llmd.router import pd as hops
 from llmd.router.config import RouterConfig, default_settings
@@ -163,7 +163,8 @@ class Router:
 
     async def start(self) -> Router:
         c = self.config
-        self.http = self.upstream.http = http_client.engine_session(c.connect_timeout_s)
+        self.http = http_client.engine_session(c.connect_timeout_s)  # health, metrics and model lists
+        self.upstream.http = h1.EnginePool(c.connect_timeout_s)  # the requests' legs
         try:
             await self.registry.start(self.http)
             self._runner = web.AppRunner(
@@ -209,7 +210,10 @@ class Router:
         await self.hub.close()
         if self.http is not None:
             await self.http.close()
-            self.http = self.upstream.http = None
+            self.http = None
+        if self.upstream.http is not None:
+            await self.upstream.http.close()
+            self.upstream.http = None
         self._prompts.close()
 
     async def __aenter__(self) -> Router:

@@ -20,11 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
-from llmd.net import http_client
+from llmd.net import h1
 from llmd.router.metrics import RouterMetrics
 from llmd.router.pods import Pod
 from llmd.router.request import RequestCtx, json_encode
@@ -145,7 +144,7 @@ class PrefillResult:
 
 
 async def prefill_hop(
-    http: aiohttp.ClientSession,
+    http: h1.EnginePool,
     url: str,
     body: bytes,
     headers: dict[str, str],
@@ -160,18 +159,23 @@ async def prefill_hop(
     t0 = time.monotonic()
     try:
         async with leg.deadline(first_byte_s):
-            r = await http_client.post(http, url, data=body, headers=headers, on_resend=on_resend)
+            r = await http.post(url, body, headers, on_resend=on_resend)
+        ok = False
         try:
             async with leg.deadline(idle_s):
                 raw = await r.read()
+            ok = True
         finally:
-            r.release()
+            if ok:
+                r.release()
+            else:
+                r.close()
         status = r.status
-    except aiohttp.ClientConnectorError as exc:
+    except h1.ConnectFailed as exc:
         return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}", unreachable=True)
     except TimeoutError:
         return PrefillResult(None, time.monotonic() - t0, leg.reason("to the prefill hop"))
-    except (aiohttp.ClientError, OSError) as exc:
+    except (h1.EngineHTTPError, OSError) as exc:
         return PrefillResult(None, time.monotonic() - t0, f"{type(exc).__name__}: {exc}")
     dt = time.monotonic() - t0
     if status != 200:
@@ -210,7 +214,7 @@ class Upstream:
         self.first_byte_s = first_byte_s
         self.idle_s = idle_s
         self.down_grace_s = down_grace_s
-        self.http: aiohttp.ClientSession | None = None
+        self.http: h1.EnginePool | None = None
         self.legs: dict[str, set[Leg]] = {}
 
     @contextlib.contextmanager
@@ -267,28 +271,25 @@ class Upstream:
         t0 = time.monotonic()
         try:
             async with leg.deadline(self.first_byte_s):
-                up = await http_client.post(
-                    self.http,
-                    pod.info.url + ctx.route,
-                    data=payload,
-                    headers=headers,
-                    on_resend=self.resent,
-                )
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+                up = await self.http.post(pod.info.url + ctx.route, payload, headers, on_resend=self.resent)
+        except (h1.ConnectFailed, ConnectionRefusedError) as exc:
             raise Retry("connect", pod.name, pod_down=True) from exc
         except TimeoutError as exc:
             self._timed_out(ctx, leg, "before answering")
             raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise Retry("disconnect", pod.name, pod_down=isinstance(exc, aiohttp.ServerDisconnectedError)) from exc
+        except h1.Disconnected as exc:
+            # A clean close before an answer, twice (post sent it again): the engine is going away.
+            raise Retry("disconnect", pod.name, pod_down=exc.os_error is None) from exc
+        except (h1.EngineHTTPError, OSError) as exc:
+            raise Retry("disconnect", pod.name, pod_down=False) from exc
         done = False
         try:
             status = up.status
-            if status != 200 or not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+            if status != 200 or not (up.header("Content-Type") or "").startswith("text/event-stream"):
                 try:
-                    if up.content.is_eof() and getattr(up, "_writer", True) is None:
-                        # The whole body came with the headers and the request went out: read() cannot wait, so
-                        # arming a deadline would cost a timer for nothing. (Unsure, it takes the deadline.)
+                    if up.complete:
+                        # The whole body came with the head: read() cannot wait, so arming a deadline would cost a
+                        # timer for nothing.
                         data = await up.read()
                     else:
                         async with leg.deadline(self.idle_s):
@@ -296,7 +297,7 @@ class Upstream:
                 except TimeoutError as exc:
                     self._timed_out(ctx, leg, "in the middle of its response body")
                     raise Retry("body_timeout", pod.name, pod_down=False) from exc
-                except (aiohttp.ClientError, OSError) as exc:
+                except (h1.EngineHTTPError, OSError) as exc:
                     raise Retry("body", pod.name, pod_down=False) from exc
                 done = True
                 dt = time.monotonic() - t0
@@ -316,19 +317,19 @@ class Upstream:
             # so holding costs no time to first token.
             try:
                 async with leg.deadline(self.first_byte_s):
-                    first = await up.content.readany()
+                    first = await up.readany()
                 if not first:
                     raise Retry("empty_stream", pod.name, pod_down=False)
                 async with leg.deadline(self.first_byte_s):
                     while len(first) < _HOLD_MAX and not starts_output(first):
-                        more = await up.content.readany()
+                        more = await up.readany()
                         if not more:
                             break
                         first += more
             except TimeoutError as exc:
                 self._timed_out(ctx, leg, "after its response headers")
                 raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
-            except (aiohttp.ClientError, OSError) as exc:
+            except (h1.EngineHTTPError, OSError) as exc:
                 raise Retry("stream_start", pod.name, pod_down=False) from exc
             if first.startswith(_SSE_ERROR) or b"\n" + _SSE_ERROR in first:
                 # The engine failed the request before its first token (a failed KV pull): nothing reached the
@@ -351,7 +352,7 @@ class Upstream:
                             self._calibrate(ctx, first)
                         while True:
                             leg.on_client = False
-                            chunk = await up.content.readany()
+                            chunk = await up.readany()
                             if not chunk:
                                 break
                             leg.on_client = True
@@ -359,7 +360,7 @@ class Upstream:
                             leg.moved()
                             if ctx.text_chars:
                                 self._calibrate(ctx, chunk)
-                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                except h1.EngineHTTPError as exc:
                     broke = f"engine {pod.name} failed mid-stream"
                     log.warning("request %s: stream from %s broke: %s", ctx.request_id, pod.name, exc)
                     ctx.error = f"{broke}: {exc}"
@@ -426,7 +427,7 @@ class Upstream:
         ctx.text_chars = 0  # once per request
 
 
-def _response_headers(up: aiohttp.ClientResponse, extra: dict[str, str]) -> dict[str, str]:
-    h = {k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE_HEADERS}
+def _response_headers(up: h1.Response, extra: dict[str, str]) -> dict[str, str]:
+    h = {k: v for k, v in up.headers if k.lower() not in _SKIP_RESPONSE_HEADERS}
     h.update(extra)
     return h
