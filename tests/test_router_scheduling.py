@@ -882,6 +882,26 @@ def test_speculative_entries_expire_after_ttl() -> None:
     assert s.schedule(r, snap(FOUR), ix, now=100.0).target == first.target
 
 
+def test_advancing_time_drops_expired_speculative_entries_and_no_answer_changes() -> None:
+    """Scheduler.advance (the router core's clock moving on) drops what expired by then; a decision after it is
+    the one it would have been (expired entries were only set aside before)."""
+    s, t = Scheduler(spec(speculative_ttl_s=2.0), seed=0), Scheduler(spec(speculative_ttl_s=2.0), seed=0)
+    prefix = blocks(50, 7)
+    for sched in (s, t):
+        burst(sched, 1, prefix, now=0.0)
+        burst(sched, 1, blocks(20, 9), now=1.0)
+    held = len(s.speculative)
+    s.advance(1.9)
+    assert len(s.speculative) == held
+    s.advance(2.5)  # the first entry expired, the second has not
+    assert 0 < len(s.speculative) < held
+    r = request([*prefix, 99], "late")
+    a, b = s.schedule(r, snap(FOUR), KVIndex(), now=2.5), t.schedule(r, snap(FOUR), KVIndex(), now=2.5)
+    assert (a.target, a.expected_hit_tokens, a.cold) == (b.target, b.expected_hit_tokens, b.cold) == (a.target, 0, True)
+    s.advance(3.5)
+    assert len(s.speculative) == 0
+
+
 def test_speculative_works_without_an_index() -> None:
     s = Scheduler(spec(), seed=0)
     prefix = blocks(30, 7)

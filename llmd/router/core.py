@@ -378,6 +378,7 @@ class RouterCore:
         if not len(free) or not cols.kv_fits(free, need, bs).any():
             return None  # every one full (slots or KV): wait without paying for a scoring pass
         snap = Snapshot.of_columns(cols, now)
+        self.scheduler.advance(now)
         d = self.scheduler.schedule(
             req, snap, cast("KVIndex", index), now, waited_s=now - job.queued_at, queued=max(0, others)
         )

@@ -511,6 +511,14 @@ class Scheduler:
         for computed in self._on_computed:
             computed(holder, block_hashes, routed_at, now)
 
+    def advance(self, now: float) -> None:
+        """Time has come to `now` for good (a caller whose clock only moves on: the router core): speculative entries
+        expired by then are dropped. A decision otherwise sets expired entries aside for its answer (`match_ids` is
+        read-only, so a query may come at any time) and the next insert drops them: a fifth of a short request's
+        decision over a few endpoints, where one expires per request."""
+        if self.speculative is not None:
+            self.speculative.prune(now)
+
     def forget_pod(self, pod: str) -> None:
         """A pod left the fleet (or restarted empty): drop what the router remembered about it."""
         for scorer in self._scorers.values():
