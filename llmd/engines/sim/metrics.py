@@ -25,11 +25,12 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from llmd.engines.sim.exposition import TextRenderer
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics", "HttpMetrics", "RankMetrics"]
 
@@ -299,12 +300,13 @@ class EngineMetrics:
                 gauge_info.labels(**info).set(1)
         self.http = HttpMetrics(r)
         self._ranks = {rank: RankMetrics(self, rank) for rank in dp_ranks}
+        self._text = TextRenderer()  # generate_latest's bytes, its line heads remembered
 
     def rank(self, dp_rank: int) -> RankMetrics:
         return self._ranks[dp_rank]
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self._text.render(self.registry)
 
 
 class RankMetrics:
