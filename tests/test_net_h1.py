@@ -58,6 +58,18 @@ async def read_request(r: asyncio.StreamReader) -> tuple[bytes, dict[str, str], 
     return lines[0].encode(), headers, body
 
 
+def answering(raw: bytes, linger_s: float = 0.0) -> Handler:
+    """A handler that reads one request, writes `raw` back and keeps the connection `linger_s` longer."""
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(raw)
+        await w.drain()
+        await asyncio.sleep(linger_s)
+
+    return handler
+
+
 def ok(body: bytes, extra: str = "") -> bytes:
     head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
     return head.encode() + body
@@ -140,13 +152,8 @@ def test_streams_chunk_by_chunk_and_reuses_after_a_chunked_body() -> None:
 
 
 def test_a_body_that_ends_with_the_connection_is_read_whole_and_not_pooled() -> None:
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
-        await w.drain()
-
     async def body() -> None:
-        async with RawServer(handler) as srv:
+        async with RawServer(answering(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")) as srv:
             pool = h1.EnginePool(5.0)
             for _ in range(2):
                 r = await pool.post(srv.url, b"{}")
@@ -196,13 +203,8 @@ def test_a_pooled_connection_closed_under_a_request_is_resent_once() -> None:
 
 
 def test_a_body_cut_short_raises_and_nothing_is_pooled() -> None:
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")
-        await w.drain()
-
     async def body() -> None:
-        async with RawServer(handler) as srv:
+        async with RawServer(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")) as srv:
             pool = h1.EnginePool(5.0)
             r = await pool.post(srv.url, b"{}")
             assert r.status == 200
@@ -218,14 +220,8 @@ def test_a_body_cut_short_raises_and_nothing_is_pooled() -> None:
 
 
 def test_garbage_refused_and_bad_input() -> None:
-    async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
-        await w.drain()
-        await asyncio.sleep(1)
-
     async def body() -> None:
-        async with RawServer(garbage) as srv:
+        async with RawServer(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", linger_s=1.0)) as srv:
             pool = h1.EnginePool(5.0)
             with pytest.raises(h1.BadResponse):
                 await pool.post(srv.url, b"{}")
@@ -276,13 +272,8 @@ def test_a_cancelled_request_closes_its_connection_and_idle_ones_expire() -> Non
 def test_a_big_body_read_slowly_pauses_the_engine_and_arrives_whole() -> None:
     big = bytes(range(256)) * (12 * 1024)  # 3 MiB, past the pause threshold
 
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(ok(big))
-        await w.drain()
-
     async def body() -> None:
-        async with RawServer(handler) as srv:
+        async with RawServer(answering(ok(big))) as srv:
             pool = h1.EnginePool(5.0)
             r = await pool.post(srv.url, b"{}")
             await asyncio.sleep(0.3)  # the engine sends; nobody reads
