@@ -102,7 +102,13 @@ def test_posts_and_reuses_connections_against_aiohttp() -> None:
                 got = json.loads(await r.read())
                 assert got == {"len": 1000 * i, "rid": f"r{i}", "host": f"127.0.0.1:{port}"}
                 r.release()
-            assert len(pool._hosts[("http", "127.0.0.1", port)].idle) == 1  # one connection, reused
+            host = pool._hosts[("http", "127.0.0.1", port)]
+            assert len(host.idle) == 1  # one connection, reused
+            r = await pool.post(url, b"{}", {"Content-Type": "application/json"})
+            await pool.close()  # a leg still open as the router stops
+            assert await r.read()
+            r.release()
+            assert not host.idle and r._conn.closed  # closed, not pooled again
         finally:
             await pool.close()
             await runner.cleanup()

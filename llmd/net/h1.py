@@ -248,9 +248,13 @@ class _HostPool:
     def __init__(self, scheme: str, host: str, port: int) -> None:
         self.scheme, self.host, self.port = scheme, host, port
         self.idle: list[_Conn] = []
+        self.closed = False
 
     def put(self, conn: _Conn) -> None:
-        self.idle.append(conn)
+        if self.closed:
+            conn.abort()  # a leg that ended after the pool closed: nothing will take its connection again
+        else:
+            self.idle.append(conn)
 
     def forget(self, conn: _Conn) -> None:
         with contextlib.suppress(ValueError):
@@ -267,6 +271,7 @@ class _HostPool:
         return None
 
     def close(self) -> None:
+        self.closed = True
         for c in self.idle:
             c.abort()
         self.idle.clear()
