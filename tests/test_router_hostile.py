@@ -159,7 +159,8 @@ def test_half_sent_requests_do_not_hold_connections(model_dir: Path, head_only: 
                     got = await asyncio.gather(*(_closed_by_server(c, 8.0) for c in conns))
                     assert all(g is not None for g in got), (base, sum(g is None for g in got))
                     if not head_only:
-                        assert all(g and g.startswith(b"HTTP/1.1 408") for g in got), got[:1]
+                        odd = sorted({(g or b"")[:60] for g in got if not (g and g.startswith(b"HTTP/1.1 408"))})
+                        assert not odd, (base, sum(not (g and g.startswith(b"HTTP/1.1 408")) for g in got), odd[:3])
                     st, _ = await send(http, base + "/v1/completions", b'{"prompt":"still here","max_tokens":1}')
                     assert st == 200
                 if not head_only:
