@@ -258,16 +258,16 @@ class PromptCache:
         final.extend(post)
         event_hashes = self.hasher.event_hashes(final, cache_salt=cache_salt, lora=lora) if self.hasher else []
         self.counts["full"] += 1
-        enc = Encoded(final, event_hashes, len(final), 0, 0, "full", session or _lineage(text))
+        lineage = _lineage(text)
         # Remembered as an exact repeat would be served: everything reused, under the text's own lineage.
-        self._short[key] = Encoded(final, event_hashes, len(final), len(final), len(event_hashes), "incremental",
-                                   enc.session if session is None else _lineage(text))  # fmt: skip
+        n = len(final)
+        self._short[key] = Encoded(final, event_hashes, n, n, len(event_hashes), "incremental", lineage)
         self._short_tokens += len(final)
         while self._short_tokens > self.max_tokens // _SHORT_SHARE and self._short:
             _, old = self._short.popitem(last=False)
             self._short_tokens -= old.num_tokens
             self.counts["evictions"] += 1
-        return enc
+        return Encoded(final, event_hashes, n, 0, 0, "full", session or lineage)
 
     def _hash(
         self, base: _Entry | None, same: int, final: array, hash_key: tuple[Any, ...]

@@ -78,7 +78,8 @@ class TextRenderer:
         elif mtype == "unknown":
             kind = "untyped"
         _check_name(shown)
-        got = (f"# HELP {shown} {_escape_doc(doc)}\n# TYPE {shown} {kind}\n", _escape_doc(doc))
+        help_text = _escape_doc(doc)
+        got = (f"# HELP {shown} {help_text}\n# TYPE {shown} {kind}\n", help_text)
         self._families[(name, mtype, doc)] = got
         return got
 
