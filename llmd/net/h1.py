@@ -186,16 +186,16 @@ class _Conn(asyncio.Protocol):
         if self.complete:
             return
         if self._head is not None and not self.got_bytes:
-            why = f"the server closed the connection before answering ({exc})" if exc else "before answering"
-            self._fail(Disconnected(f"server disconnected {why}", before_response=True, os_error=exc))
+            why = f"reset the connection before answering: {exc}" if exc else "closed the connection before answering"
+            self._fail(Disconnected(f"the server {why}", before_response=True, os_error=exc))
             return
         # The head came and the body is open: a body that ends with the connection (no length, not chunked) ends
         # here; any other is cut short.
         if self._head is None and self._close_delimited():
             self._message_done(keep=False)
             return
-        self._fail(Disconnected(f"server disconnected in the middle of a response ({exc})", before_response=False,
-                                os_error=exc))  # fmt: skip
+        why = f"reset the connection in the middle of a response: {exc}" if exc else "closed it mid-response"
+        self._fail(Disconnected(f"the server {why}", before_response=False, os_error=exc))
 
     # -- httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:

@@ -278,7 +278,8 @@ class Upstream:
             self._timed_out(ctx, leg, "before answering")
             raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
         except h1.Disconnected as exc:
-            # A clean close before an answer, twice (post sent it again): the engine is going away.
+            # Closed under the request (post resent it once if no byte of an answer had come): a clean close says
+            # the engine is going away, a reset may be this request's alone.
             raise Retry("disconnect", pod.name, pod_down=exc.os_error is None) from exc
         except (h1.EngineHTTPError, OSError) as exc:
             raise Retry("disconnect", pod.name, pod_down=False) from exc

@@ -514,7 +514,7 @@ class Scheduler:
     def advance(self, now: float) -> None:
         """Time has come to `now` for good (a caller whose clock only moves on: the router core): speculative entries
         expired by then are dropped. A decision otherwise sets expired entries aside for its answer (`match_ids` is
-        read-only, so a query may come at any time) and the next insert drops them: a fifth of a short request's
+        read-only, so a query may come at any time) and the next insert drops them: an eighth of a short request's
         decision over a few endpoints, where one expires per request."""
         if self.speculative is not None:
             self.speculative.prune(now)
