@@ -153,7 +153,7 @@ class RequestColumns(Columns):
         self._sel = sel
         self._exact: dict[int, int] = {}
         self._states: dict[int, EndpointState] = {}
-        self._fits: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._fits: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def inflight_kv(self, i: int) -> int:
         """inflight_kv_tokens at position i: the KV in flight there less this request's units held there, as far
@@ -189,11 +189,17 @@ class RequestColumns(Columns):
             cap = self.kv_capacity_blocks
             limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
             loose = (cap <= 0) | (self.inflight <= 0) | (self.kv_tokens <= limit)
-            got = self._fits[(need_tokens, block_size)] = (loose, limit)
-        loose, limit = got
+            # Sharing takes off at most the request's units the engine has cached (inflight_kv): where even that
+            # would not make it fit, it does not, without the search per endpoint (a long prompt over a prefill
+            # pool too small for it: every rank of it, at 544 endpoints a quarter of a decision).
+            n = len(self._hashes)
+            most = n if self._cached is None else np.minimum(self._cached, n)
+            maybe = ~loose & (self.kv_tokens - most * self._unit <= limit) if self._unit else ~loose
+            got = self._fits[(need_tokens, block_size)] = (loose, limit, maybe)
+        loose, limit, maybe = got
         ok = loose[idx]  # fancy indexing: a fresh array, ours to change
         if self._unit and not ok.all():
-            doubt = np.flatnonzero(~ok)
+            doubt = np.flatnonzero(maybe[idx])
             at = idx[doubt]
             ok[doubt] = self._inflight_kv(at) <= limit[at]
         return ok
