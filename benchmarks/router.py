@@ -13,7 +13,10 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
 - router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
   prefix-aware policy cache_aware on the same engines, llmd / sglang, target >= 1.0; router_vs_sglang_round_robin:
   llmd round-robin / sglang round_robin. The routers take turns, each started afresh, in alternating order over
-  --rounds rounds (the machine is shared and its speed drifts); the median of the rounds' ratios.
+  --rounds rounds (the machine is shared and its speed drifts); the median of the rounds' ratios. Core 1 (engines and
+  client) is the limit for every router here, so the ratio follows what a router makes the engines spend per request:
+  `# engine_busiest_share` and `# engine_steps_per_req` show it (sglang's cache_aware sends every request of this
+  workload to one engine: one big batch, fewer steps a request, on the core all four engines share).
 - hit_rate_*: one fixed agentic workload (32 sessions of 10 turns over a shared system prompt, 4 of them forking a
   burst of 6 sub-agents) through the router over 8 simulated engines whose KV caches cannot hold every session
   everywhere; the share of prompt tokens the engines served from cache (their own usage.cached_tokens). The oracle is
@@ -354,6 +357,28 @@ def write_spec(path: Path, model: Path, base: int, replicas: int, block: int, gp
 
 
 # --- 2. throughput ---------------------------------------------------------------------------------------------------
+def engine_counts(urls: list[str]) -> list[tuple[float, float]]:
+    """Per engine, (requests finished, engine steps) so far, from its /metrics (vllm:request_success_total and the
+    count of vllm:iteration_tokens_total, one observation a step)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for url in urls:
+        with urlopen(url + "/metrics", timeout=10) as resp:  # the benchmark's own engines, on 127.0.0.1
+            text = resp.read().decode()
+        done = steps = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:request_success_total":
+                    done += sample.value
+                elif sample.name == "vllm:iteration_tokens_total_count":
+                    steps += sample.value
+        out.append((done, steps))
+    return out
+
+
 async def drive(url: str, n: int, concurrency: int) -> float:
     rng = random.Random(1)
     system = words(random.Random(2), 40)
@@ -401,6 +426,8 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
     rps: dict[str, list[float]] = {label: [] for label, _, _ in routers}
     cpu: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # router CPU seconds per request
     fleet: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # the engines' CPU seconds per request
+    busiest: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # the busiest engine's share of requests
+    steps: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # engine steps per request, fleet-wide
     # sglang-router probes each worker for HTTP/2 (gRPC) at start; the engines log the refusals: to a file.
     base, urls, engines = on_free_ports(lambda b: write_spec(spec, model, b, 4, 16, None),
                                         lambda u: start_engines(spec, u, tmp / "rps-engines.log"))  # fmt: skip
@@ -413,10 +440,14 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
                 assert cmd is not None
                 router = start_router(cmd, port, engines, label)
                 try:
-                    cpu0, fleet0 = cpu_seconds(router.pid), cpu_seconds(engines.pid)
+                    cpu0, fleet0, count0 = cpu_seconds(router.pid), cpu_seconds(engines.pid), engine_counts(urls)
                     rps[label].append(asyncio.run(drive(f"http://127.0.0.1:{port}", n, 64)))
                     cpu[label].append((cpu_seconds(router.pid) - cpu0) / n)
                     fleet[label].append((cpu_seconds(engines.pid) - fleet0) / n)
+                    done = [(a1 - a0, b1 - b0) for (a0, b0), (a1, b1) in zip(count0, engine_counts(urls), strict=True)]
+                    total = sum(d for d, _ in done) or 1.0
+                    busiest[label].append(max(d for d, _ in done) / total)
+                    steps[label].append(sum(k for _, k in done) / total)
                 finally:
                     stop(router)
     finally:
@@ -429,6 +460,12 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
     # subscriptions) is capacity the fleet lacks for requests.
     per_req = "; ".join(f"{label}: {statistics.median(v) * 1e6:.0f}" for label, v in fleet.items())
     info("engines_cpu_us_per_req", per_req)
+    # Why the engines' CPU per request differs by router: a router that piles every request onto one engine gives it
+    # big batches, fewer engine steps a request, on the one core all four engines share here (engines at time scale 0
+    # have no capacity of their own). On a real fleet that engine's GPU would be the limit.
+    shares = "; ".join(f"{label}: {' '.join(f'{v:.2f}' for v in vs)}" for label, vs in busiest.items())
+    info("engine_busiest_share", shares)
+    info("engine_steps_per_req", "; ".join(f"{label}: {statistics.median(v):.2f}" for label, v in steps.items()))
     report("router_req_per_s", statistics.median(rps["llmd precise"]), 1000, True, "{:.0f}")
     if peers is None:
         return
