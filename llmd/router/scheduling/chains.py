@@ -62,14 +62,11 @@ class ChainSet:
     agrees with it up to p: prefix-closed, so a binary search answers. Long chains are compared one by one, each
     costing a probe unless it agrees past what is known already."""
 
-    __slots__ = ("_copies", "_long", "_refs")
+    __slots__ = ("_long", "_refs")
 
     def __init__(self) -> None:
         self._refs: dict[int, int] = {}  # unit -> short chains having it
-        # Long chains by identity: a caller takes away the chain object it added, found without a scan (a prefill
-        # rank holds hundreds in flight at a burst; looking for one in a list was 3% of a 544-GPU simulation).
-        self._long: dict[int, Sequence[int]] = {}
-        self._copies: dict[int, int] = {}  # the same object added more than once: the copies beyond the first
+        self._long: list[Sequence[int]] = []
 
     def __bool__(self) -> bool:
         return bool(self._refs) or bool(self._long)
@@ -77,10 +74,8 @@ class ChainSet:
     def add(self, chain: Sequence[int]) -> None:
         if len(chain) < SHORT_UNITS:
             _count_elements(self._refs, chain)  # refs[u] += 1 for each, in C
-        elif id(chain) in self._long:
-            self._copies[id(chain)] = self._copies.get(id(chain), 0) + 1
         else:
-            self._long[id(chain)] = chain
+            self._long.append(chain)
 
     def remove(self, chain: Sequence[int]) -> bool:
         """Take away one chain equal to `chain`, one the caller added; False (and nothing changes) where there is
@@ -94,27 +89,21 @@ class ChainSet:
             deque(map(refs.pop, compress(chain, map((1).__eq__, counts))), maxlen=0)  # units no chain has now
             return True
         chains = self._long
-        key = id(chain)
-        if chains.get(key) is not chain:  # an equal chain, not the same object
-            n = len(chain)
-            key = next((k for k, c in chains.items() if len(c) == n and common_prefix(chain, c, n) == n), None)
-            if key is None:
-                return False
-        left = self._copies.get(key)
-        if left is None:
-            del chains[key]
-        elif left > 1:
-            self._copies[key] = left - 1
-        else:
-            del self._copies[key]
+        n = len(chain)
+        at = next((i for i, c in enumerate(chains) if c is chain), None)
+        if at is None:  # an equal chain, not the same object
+            at = next((i for i, c in enumerate(chains) if len(c) == n and common_prefix(chain, c, n) == n), None)
+        if at is None:
+            return False
+        chains[at] = chains[-1]
+        chains.pop()
         return True
 
     def unit_counts(self) -> dict[int, int]:
         """Each unit's count over the chains (a copy)."""
         refs = dict(self._refs)
-        for key, c in self._long.items():
-            for _ in range(1 + self._copies.get(key, 0)):
-                _count_elements(refs, c)
+        for c in self._long:
+            _count_elements(refs, c)
         return refs
 
     def longest(self, chain: Sequence[int], hi: int | None = None, lo: int = 0) -> int:
@@ -128,7 +117,7 @@ class ChainSet:
         if refs:
             best = held_prefix(chain, refs, best, min(hi, SHORT_UNITS - 1))  # a short chain has < SHORT_UNITS
         got = 0
-        for c in self._long.values():
+        for c in self._long:
             m = min(hi, len(c))
             if m > best and c[best] == chain[best]:  # agrees past what is known: worth a search
                 got = common_prefix(chain, c, m, got)
