@@ -7,7 +7,8 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
 - route_speedup_vs_full: the same turn tokenized, hashed and scored from scratch / incrementally.
 - route_ms_p50_544 / route_ms_p99_544: router CPU time of one RouterCore decision (admission, snapshot, KV index query,
   scheduling, ledger) for a ~195K-token turn (~3,050 blocks) over the published 544-endpoint deployment
-  (examples/glm52-544gpu.yaml), against a KV index of 20M entries (--index-entries), 400 requests in flight. 200 turns.
+  (examples/glm52-544gpu.yaml), against a KV index of 20M entries (--index-entries), 400 requests in flight. 200 turns,
+  with the garbage collector set as `llmd router` sets it (llmd.router.cli.settle_gc).
 - router_req_per_s: non-streaming completions with short text prompts through `llmd router --policy precise` (pinned
   to core 0) in front of 4 simulated engines at time scale 0 (pinned with the client to core 1). Median of the rounds.
 - router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
@@ -29,7 +30,6 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import random
 import socket
@@ -176,6 +176,7 @@ def route_cost_544(entries: int) -> None:
     import numpy as np
 
     from llmd.discovery import PodInfo
+    from llmd.router.cli import settle_gc
     from llmd.router.config import cost_models
     from llmd.router.core import Job, RouterCore
     from llmd.router.pods import Pod
@@ -213,9 +214,9 @@ def route_cost_544(entries: int) -> None:
         k += 1
     build_s = time.perf_counter() - t0
     # The index's millions of objects would make every full collection scan them (~1 s at 20M entries, inside some
-    # decision); a long-running router freezes what it built at startup likewise.
-    gc.collect()
-    gc.freeze()
+    # decision): the router process's own collector settings (what startup built frozen, young collections every
+    # 50,000 allocations), as `llmd router` sets them once serving.
+    settle_gc()
     rng = random.Random(0)
     background = []  # requests in flight elsewhere, so KV admission has in-flight KV to weigh
     for i in range(400):
