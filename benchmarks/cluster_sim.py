@@ -3,13 +3,15 @@
 Prints `name: value  # target ... (ratio R)`, R >= 1 meaning the target is met.
 - wall_s, sim_speedup, events_per_s, peak_rss_mb: examples/glm52-544gpu.yaml (10 prefill pods x DP16 + 3 decode pods
   x DP128: 544 engine ranks) driven by 3,000 agents of the automationbench profile for 900 simulated seconds, in a
-  child process pinned to one core; wall_s <= 120, peak RSS <= 8 GiB.
+  child process pinned to one core; wall_s <= 120, peak RSS <= 8 GiB. sim_speedup (simulated / wall seconds) carries
+  the same target for any length (>= 7.5); a run with other --agents or --duration prints wall_s without it.
 - live_vs_sim_*: the default demo's deployment and workload (`llmd demo`: 3 prefill + 2 decode simulated engines
   under KV pressure, 12 agents) at engine and workload time scale 3 for 60 s, run live (engines, router and load
   generator in this process, real HTTP on 127.0.0.1) and simulated (llmd/sim/data/llmd-demo.yaml: that process's CPU
   costs): errors of the simulation against the live run in hit share (engines' own counters), requests/min and TTFT
   p50/p90 (targets 5% and 10%; ttft_err is the worse of p50 and p90).
-`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live]` (~5 minutes).
+`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live]`: the 900 s run takes ~30 minutes on this
+2-core machine today (`--duration 60`: ~2), the live-vs-simulated run ~3.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from _report import info, report  # noqa: E402  (benchmarks/ is on sys.path: scripts run from there)
 
 WALL_TARGET_S = 120.0
+TARGET_AGENTS, TARGET_SIM_S = 3000, 900.0  # the run wall_s's target is for
 RSS_TARGET_MB = 8192.0
 FIDELITY_SCALE = 3.0
 FIDELITY_DURATION_S = 60.0
@@ -106,8 +109,8 @@ def _err(sim: float, live: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--agents", type=int, default=3000)
-    ap.add_argument("--duration", type=float, default=900.0, help="simulated seconds at 544 GPUs")
+    ap.add_argument("--agents", type=int, default=TARGET_AGENTS)
+    ap.add_argument("--duration", type=float, default=TARGET_SIM_S, help="simulated seconds at 544 GPUs")
     ap.add_argument("--skip-live", action="store_true", help="only the 544-GPU run")
     ap.add_argument("--skip-scale", action="store_true", help="only the live-vs-simulated run")
     args = ap.parse_args()
@@ -118,8 +121,14 @@ def main() -> None:
         info("simulated", f"{r['requests']:,} requests ({r['requests_per_min']:,.0f}/min), hit share "
              f"{r['hit_share']:.3f}, TTFT p90 {r['ttft_p90_s']:.2f} s, {r['preemptions']} preemptions, "
              f"{r['errors']} errors; build {r['build_s']:.1f} s")  # fmt: skip
-        report("wall_s", r["wall_s"], WALL_TARGET_S, higher_is_better=False, fmt="{:.1f}")
-        info("sim_speedup", f"{r['sim_s'] / r['wall_s']:.2f}")
+        if args.agents == TARGET_AGENTS and args.duration == TARGET_SIM_S:
+            report("wall_s", r["wall_s"], WALL_TARGET_S, higher_is_better=False, fmt="{:.1f}")
+        else:  # the target is for the issue's run: against a shorter one, 120 s would read as nearly met
+            info("wall_s", f"{r['wall_s']:.1f} (the {WALL_TARGET_S:g} s target is for {TARGET_AGENTS:,} agents x "
+                 f"{TARGET_SIM_S:g} simulated s: see sim_speedup)")  # fmt: skip
+        # The same target per simulated second, whatever the run's length (a short run is mostly the cold start,
+        # the slowest part: it understates the speed-up).
+        report("sim_speedup", r["sim_s"] / r["wall_s"], TARGET_SIM_S / WALL_TARGET_S, higher_is_better=True)
         info("events_per_s", f"{r['events'] / r['wall_s']:,.0f}")
         report("peak_rss_mb", r["peak_rss_mb"], RSS_TARGET_MB, higher_is_better=False, fmt="{:.0f}")
     if not args.skip_live:
