@@ -53,6 +53,11 @@ class PrefixColumns(NamedTuple):
 _ID_VERSIONS = itertools.count(1)
 
 
+def new_ids_version() -> int:
+    """A holder-id version no other holder-id mapping has had (Columns.holder_ids caches gathers by version)."""
+    return next(_ID_VERSIONS)
+
+
 @dataclass(frozen=True, slots=True)
 class Gap:
     """A break in one publisher's sequence numbers.
