@@ -363,20 +363,14 @@ def engine_counts(urls: list[str]) -> list[tuple[float, float]]:
     count of vllm:iteration_tokens_total, one observation a step)."""
     from urllib.request import urlopen
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from llmd.demo import _metric_sum
 
     out = []
     for url in urls:
         with urlopen(url + "/metrics", timeout=10) as resp:  # the benchmark's own engines, on 127.0.0.1
             text = resp.read().decode()
-        done = steps = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:request_success_total":
-                    done += sample.value
-                elif sample.name == "vllm:iteration_tokens_total_count":
-                    steps += sample.value
-        out.append((done, steps))
+        out.append((_metric_sum(text, "vllm:request_success_total"),
+                    _metric_sum(text, "vllm:iteration_tokens_total_count")))  # fmt: skip
     return out
 
 
