@@ -13,11 +13,13 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   to core 0) in front of 4 simulated engines at time scale 0 (pinned with the client to core 1). Median of the rounds.
 - router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
   prefix-aware policy cache_aware on the same engines, llmd / sglang, target >= 1.0; router_vs_sglang_round_robin:
-  llmd round-robin / sglang round_robin. The routers take turns, each started afresh, in alternating order over
-  --rounds rounds (the machine is shared and its speed drifts); the median of the rounds' ratios. Core 1 (engines and
-  client) is the limit for every router here, so the ratio follows what a router makes the engines spend per request:
-  `# engine_busiest_share` and `# engine_steps_per_req` show it (sglang's cache_aware sends every request of this
-  workload to one engine: one big batch, fewer steps a request, on the core all four engines share).
+  llmd round-robin / sglang round_robin. The routers take turns, each started afresh in front of 4 engines started
+  afresh for it (every router meets the same cold fleet), in alternating order over --rounds rounds (the machine is
+  shared and its speed drifts); the median of the rounds' ratios. Core 1 (engines and client) is the limit for every
+  router here, so the ratio follows what a router makes the engines spend per request as well as its own CPU:
+  `# engine_busiest_share` and `# engine_steps_per_req` show how it spread the load (on a cold fleet both prefix-aware
+  policies send this workload, whose shared system prompt is most of each prompt, to one engine: one big batch, fewer
+  steps a request, on the core all four engines share).
 - hit_rate_*: one fixed agentic workload (32 sessions of 10 turns over a shared system prompt, 4 of them forking a
   burst of 6 sub-agents) through the router over 8 simulated engines whose KV caches cannot hold every session
   everywhere; the share of prompt tokens the engines served from cache (their own usage.cached_tokens). The oracle is
@@ -423,30 +425,33 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
     fleet: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # the engines' CPU seconds per request
     busiest: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # the busiest engine's share of requests
     steps: dict[str, list[float]] = {label: [] for label, _, _ in routers}  # engine steps per request, fleet-wide
+    # Every router meets the same fleet: fresh engines (cold caches) for each run. With one fleet for all runs, a
+    # router met the caches its predecessors left, and a cache-following policy routes by that history: llmd's
+    # precise routing followed the shared system prompt onto one engine when it met a cold fleet, and spread the
+    # prompts by no-hit LRU over a fleet where every engine already held it (rounds 2-3 of one run: 0.29-0.35 of
+    # the requests on the busiest engine against 1.00 in round 1), with the engines' CPU per request as a result.
     # sglang-router probes each worker for HTTP/2 (gRPC) at start; the engines log the refusals: to a file.
-    base, urls, engines = on_free_ports(lambda b: write_spec(spec, model, b, 4, 16, None),
-                                        lambda u: start_engines(spec, u, tmp / "rps-engines.log"))  # fmt: skip
-    try:
-        for r in range(rounds):
-            order = routers if r % 2 == 0 else routers[::-1]
-            for label, kind, policy in order:
-                port = base - 100 - r
+    for r in range(rounds):
+        order = routers if r % 2 == 0 else routers[::-1]
+        for label, kind, policy in order:
+            base, urls, engines = on_free_ports(lambda b: write_spec(spec, model, b, 4, 16, None),
+                                                lambda u: start_engines(spec, u, tmp / "rps-engines.log"))  # fmt: skip
+            router = None
+            try:
+                port = base - 100
                 cmd = router_cmd(kind, policy, spec, port, urls, peers)
                 assert cmd is not None
                 router = start_router(cmd, port, engines, label)
-                try:
-                    cpu0, fleet0, count0 = cpu_seconds(router.pid), cpu_seconds(engines.pid), engine_counts(urls)
-                    rps[label].append(asyncio.run(drive(f"http://127.0.0.1:{port}", n, 64)))
-                    cpu[label].append((cpu_seconds(router.pid) - cpu0) / n)
-                    fleet[label].append((cpu_seconds(engines.pid) - fleet0) / n)
-                    done = [(a1 - a0, b1 - b0) for (a0, b0), (a1, b1) in zip(count0, engine_counts(urls), strict=True)]
-                    total = sum(d for d, _ in done) or 1.0
-                    busiest[label].append(max(d for d, _ in done) / total)
-                    steps[label].append(sum(k for _, k in done) / total)
-                finally:
-                    stop(router)
-    finally:
-        stop(engines)
+                cpu0, fleet0, count0 = cpu_seconds(router.pid), cpu_seconds(engines.pid), engine_counts(urls)
+                rps[label].append(asyncio.run(drive(f"http://127.0.0.1:{port}", n, 64)))
+                cpu[label].append((cpu_seconds(router.pid) - cpu0) / n)
+                fleet[label].append((cpu_seconds(engines.pid) - fleet0) / n)
+                done = [(a1 - a0, b1 - b0) for (a0, b0), (a1, b1) in zip(count0, engine_counts(urls), strict=True)]
+                total = sum(d for d, _ in done) or 1.0
+                busiest[label].append(max(d for d, _ in done) / total)
+                steps[label].append(sum(k for _, k in done) / total)
+            finally:
+                stop(router, engines)
     info("router_throughput", f"{n} non-streaming completions at concurrency 64 per run, {rounds} rounds, 4 engines; "
          + "; ".join(f"{label}: {' '.join(f'{v:.0f}' for v in vs)}" for label, vs in rps.items()))  # fmt: skip
     # CPU per request is what the router costs whatever else the shared machine runs; req/s is what the issue asks.
