@@ -4,6 +4,7 @@ replay, restarts) and the `llmd router` command line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -225,6 +226,44 @@ def test_sequence_gap_is_replayed_in_order_and_restart_resets(tmp_path: Path) ->
         finally:
             await sub.stop()
             await pub.aclose()
+            ctx.term()
+
+    run(body)
+
+
+def test_unsubscribing_gives_up_the_socket_descriptor_before_closing_it() -> None:
+    """A pod going down closes its subscriptions at once while their reading tasks end later. The descriptor must be
+    unwatched before the socket closes: its number is soon a connection to an engine, and a reader left under it took
+    that connection's wakeups (every pod went down with 'connect' once an engine was killed)."""
+    port = free_ports(1)
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        ctx = zmq.asyncio.Context()
+        hub_sub = RankSubscription(ctx, KVIndex(), "p", 0, 1, f"tcp://127.0.0.1:{port}")
+        try:
+            hub_sub.start()
+            await until(lambda: hub_sub.connected.is_set(), what="reading")
+            await asyncio.sleep(0)
+            assert hub_sub._sub is not None
+            fd = hub_sub._sub.getsockopt(zmq.FD)
+            task = hub_sub._task
+            assert task is not None
+            task.cancel()  # as the hub's unsubscribe_now does: the task ends later, the socket goes now
+            hub_sub.close_socket()
+            assert hub_sub._sub is None
+            assert not loop.remove_reader(fd), "the closed socket's descriptor is still watched"
+            # The task's own ending must not take a reader that someone else registered under the number since.
+            got = asyncio.Event()
+            loop.add_reader(fd, got.set)
+            try:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                assert loop.remove_reader(fd), "the ended task removed another owner's reader"
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            await hub_sub.stop()
             ctx.term()
 
     run(body)

@@ -94,6 +94,7 @@ class RankSubscription:
         self._errors_seen = 0  # the decoder's error count already accounted for
         self._bad = 0
         self._sub: zmq.Socket | None = None
+        self._watching: tuple[asyncio.AbstractEventLoop, int] | None = None  # the loop reading the socket's descriptor
         self._task: asyncio.Task[None] | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
@@ -128,9 +129,23 @@ class RankSubscription:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
         self._task = self._replay_task = None
+        self.close_socket()
+
+    def close_socket(self) -> None:
+        """Stop watching the socket's descriptor, then close the socket, in that order and at once: a closed
+        descriptor's number is soon another socket's (a connection to an engine), and a reader still registered
+        under it would take that socket's wakeups, or be removed later along with the new owner's."""
+        self._unwatch()
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
+
+    def _unwatch(self) -> None:
+        if self._watching is not None:
+            loop, fd = self._watching
+            self._watching = None
+            with contextlib.suppress(Exception):  # the loop may be closed already
+                loop.remove_reader(fd)
 
     async def _run(self) -> None:
         sub = self._sub
@@ -143,6 +158,7 @@ class RankSubscription:
         # waiting. So every wakeup reads until ZMQ says nothing is left, and the state is read again after the event
         # is cleared, before waiting (a message that came in between would otherwise wait for the next one).
         loop.add_reader(fd, readable.set)
+        self._watching = (loop, fd)
         try:
             while True:
                 try:
@@ -158,8 +174,7 @@ class RankSubscription:
                     continue
                 await readable.wait()
         finally:
-            with contextlib.suppress(Exception):  # the socket (or the loop) may be closed already
-                loop.remove_reader(fd)
+            self._unwatch()  # a no-op when close_socket() gave the number up already
 
     def _frames(self, frames: list[bytes]) -> None:
         d = self.decoder.decode_frames(frames)
@@ -351,9 +366,7 @@ class KVEventHub:
                     # Awaited at close(): a replay task owns a DEALER socket that must be closed before ctx.term().
                     self._dying.add(t)
                     t.add_done_callback(self._dying.discard)
-            if sub._sub is not None:
-                sub._sub.close(linger=0)
-                sub._sub = None
+            sub.close_socket()
 
     async def close(self) -> None:
         subs = [s for group in self.subs.values() for s in group]
