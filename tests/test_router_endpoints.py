@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from llmd.errors import UserError
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from llmd.kv.index import KVIndex
 from llmd.router.endpoints import parse_engine_gauges
-from llmd.router.events import RankSubscription
+from llmd.router.events import READ_BURST, RankSubscription
 from llmd.router.proxy import Router
 
 # ---- discovery -------------------------------------------------------------------------------------------------------
@@ -264,6 +266,51 @@ def test_unsubscribing_gives_up_the_socket_descriptor_before_closing_it() -> Non
                 loop.remove_reader(fd)
         finally:
             await hub_sub.stop()
+            ctx.term()
+
+    run(body)
+
+
+def test_a_flood_of_kv_events_is_read_in_bounded_bursts() -> None:
+    """Batches that queued up while the loop was busy are read READ_BURST at a time with the loop's turn between
+    bursts, so requests are not held up until a flood ends, and every batch is still applied, in order."""
+    port = free_ports(1)
+    flood = 3 * READ_BURST + 10  # below the publisher's send high-water mark (1,000): none dropped
+
+    async def body() -> None:
+        index = KVIndex()
+        ctx = zmq.asyncio.Context()
+        pub = KVEventPublisher(f"tcp://*:{port}", 0)
+        sub = RankSubscription(ctx, index, "p", 0, 1, f"tcp://127.0.0.1:{port}")
+        try:
+            sub.start()
+            for _ in range(100):  # slow joiner: publish until the SUB receives
+                if sub.stats.batches:
+                    break
+                pub.publish([AllBlocksCleared()])
+                await asyncio.sleep(0.05)
+            assert sub.stats.batches
+            start = sub.stats.batches
+            seen: list[int] = []
+
+            async def probe() -> None:  # another task: what it sees between the subscription's turns
+                while sub.stats.batches < start + flood:
+                    seen.append(sub.stats.batches - start)
+                    await asyncio.sleep(0)
+
+            task = asyncio.create_task(probe())
+            await asyncio.sleep(0)
+            for i in range(flood):
+                pub.publish([BlockStored([5000 + i], 4999 + i if i else None, [1] * BS, BS, None, "GPU", None)])
+            time.sleep(0.5)  # the loop is busy: every batch reaches the SUB socket before it reads any
+            await asyncio.wait_for(task, 10)
+            assert any(0 < k < flood for k in seen), f"read in one go: the probe saw {sorted(set(seen))}"
+            assert all(b - a <= READ_BURST for a, b in itertools.pairwise(seen))
+            assert all(5000 + i in index for i in range(flood))
+            assert sub.stats.gaps == 0
+        finally:
+            await sub.stop()
+            await pub.aclose()
             ctx.term()
 
     run(body)

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # in a row before the gap is accepted; the index records accepted gaps.
 MAX_REPLAYS_IN_A_ROW = 3
 MAX_BUFFERED = 100_000  # live batches held during one replay; beyond it the replay is abandoned
+# Batches one subscription reads before the loop runs anything else: the burst read saves a loop round per batch, and
+# the bound keeps a flood (hundreds of ranks after a burst of sub-agents) from holding requests up until it ends.
+READ_BURST = 256
 BAD_FRAME_LOG_EVERY = 1000  # after the first, one warning per this many bad frames of a subscription
 
 
@@ -155,15 +158,22 @@ class RankSubscription:
         fd = sub.getsockopt(zmq.FD)
         readable = asyncio.Event()
         # ZMQ's descriptor is edge-triggered: it signals that the socket's state changed, not that a message is
-        # waiting. So every wakeup reads until ZMQ says nothing is left, and the state is read again after the event
-        # is cleared, before waiting (a message that came in between would otherwise wait for the next one).
+        # waiting. So every wakeup reads until ZMQ says nothing is left (READ_BURST at a time, the loop's turn between
+        # them), and the state is read again after the event is cleared, before waiting (a message that came in
+        # between would otherwise wait for the next one).
         loop.add_reader(fd, readable.set)
         self._watching = (loop, fd)
         try:
             while True:
                 try:
-                    while sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    for _ in range(READ_BURST):
+                        if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            break
                         self._frames(sub.recv_multipart(zmq.NOBLOCK))
+                    else:
+                        # More may wait: the loop's turn, then on reading (the descriptor would not signal them again).
+                        await asyncio.sleep(0)
+                        continue
                 except zmq.Again:
                     pass
                 except zmq.ZMQError as exc:
