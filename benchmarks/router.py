@@ -8,7 +8,8 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
 - route_ms_p50_544 / route_ms_p99_544: router CPU time of one RouterCore decision (admission, snapshot, KV index query,
   scheduling, ledger) for a ~195K-token turn (~3,050 blocks) over the published 544-endpoint deployment
   (examples/glm52-544gpu.yaml), against a KV index of 20M entries (--index-entries), 400 requests in flight. 200 turns,
-  with the garbage collector set as `llmd router` sets it (llmd.router.cli.settle_gc).
+  with the garbage collector set as `llmd router` sets it (llmd.router.cli.settle_gc). `# scrape_parse_ms_per_s_544`:
+  the router's CPU a second reading that deployment's gauges from every pod's /metrics (all DP ranks' series).
 - router_req_per_s: non-streaming completions with short text prompts through `llmd router --policy precise` (pinned
   to core 0) in front of 4 simulated engines at time scale 0 (pinned with the client to core 1). Median of the rounds.
 - router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
@@ -246,6 +247,25 @@ def route_cost_544(entries: int) -> None:
          f"(built in {build_s:.0f} s), {len(background)} requests in flight; {len(times)} turns")  # fmt: skip
     report("route_ms_p50_544", statistics.median(times) * 1e3, 2.0, False, "{:.3f}")
     report("route_ms_p99_544", times[int(len(times) * 0.99) - 1] * 1e3, 5.0, False, "{:.3f}")
+    scrape_parse_544()
+
+
+def scrape_parse_544() -> None:
+    """The router's CPU a second reading the 544-GPU deployment's gauges: every pod's /metrics (the simulated engine's
+    series for each of its DP ranks: every histogram bucket of every rank) parsed once a second, as `llmd router`'s
+    metrics loop does. The same core serves the requests."""
+    from llmd.engines.sim.metrics import EngineMetrics
+    from llmd.router.endpoints import parse_engine_gauges
+
+    total = 0.0
+    for pods, dp in ((10, 16), (3, 128)):
+        m = EngineMetrics("glm", list(range(dp)), 202752, cache_config={"num_gpu_blocks": "4097", "block_size": "64"})
+        text = m.render().decode()
+        c0 = time.thread_time()
+        for _ in range(5):
+            parse_engine_gauges(text)
+        total += pods * (time.thread_time() - c0) / 5
+    info("scrape_parse_ms_per_s_544", f"{total * 1e3:.1f} (10 DP16 + 3 DP128 pods' /metrics, once a second)")
 
 
 # --- processes -------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -418,3 +419,67 @@ def test_engine_gauges_include_kv_capacity_from_cache_config_info() -> None:
         "vllm:unrelated_total 5.0\n"
     )
     assert parse_engine_gauges(text) == [(1, "kv_capacity_blocks", 2400.0), (1, "waiting", 2.0), (0, "kv_usage", 0.25)]
+
+
+def _gauges_by_every_line(text: str) -> list[tuple[int, str, float]]:
+    """parse_engine_gauges by its definition: every line read in turn."""
+    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+             "vllm:kv_cache_usage_perc": "kv_usage"}  # fmt: skip
+
+    def label(labels: str, key: str) -> str | None:
+        i = labels.find(f'{key}="')
+        return None if i < 0 else labels[i + len(key) + 2 : labels.find('"', i + len(key) + 2)]
+
+    out: list[tuple[int, str, float]] = []
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        rank = 0
+        engine = label(labels, "engine")
+        if engine is not None:
+            with contextlib.suppress(ValueError):
+                rank = int(engine)
+        if name == "vllm:cache_config_info":
+            for key, attr in (("num_gpu_blocks", "kv_capacity_blocks"), ("num_cpu_blocks", "cpu_capacity_blocks")):
+                raw = label(labels, key)
+                if raw and raw.isdigit():
+                    out.append((rank, attr, float(raw)))
+        elif name in names:
+            with contextlib.suppress(ValueError):
+                out.append((rank, names[name], float(value)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_engine_gauges_are_every_line_read_in_turn(seed: int) -> None:
+    """The gauges found by searching for their series are those a reading of every line finds, in line order: on a
+    simulated DP pod's whole /metrics and on lines made to mislead (longer names, timestamps, bad values, comments,
+    the first or last line, CRLF endings)."""
+    from llmd.engines.sim.metrics import EngineMetrics
+    from llmd.router.endpoints import parse_engine_gauges
+
+    rng = random.Random(seed)
+    ranks = rng.randrange(1, 9)
+    m = EngineMetrics("tiny", list(range(ranks)), 32768, cache_config={"num_gpu_blocks": "100", "block_size": "16"})
+    for r in range(ranks):
+        m.rank(r).running.set(rng.randrange(50))
+        m.rank(r).waiting.set(rng.randrange(50))
+    real = m.render().decode().splitlines()
+    odd = [
+        f'vllm:num_requests_waiting{{engine="{rng.randrange(9)}",model_name="m"}} {rng.randrange(99)}.0',
+        f"vllm:kv_cache_usage_perc {rng.random()}",
+        f'vllm:num_requests_running{{engine="{rng.randrange(9)}"}} 4.0 1700000000000',
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0',
+        "vllm:num_requests_running_total 3.0",
+        'vllm:cache_config_info{engine="2",num_cpu_blocks="64",num_gpu_blocks="None"} 1.0',
+        "vllm:kv_cache_usage_perc not-a-number",
+        "# HELP vllm:num_requests_running running",
+        "vllm:num_requests_running",
+        "",
+    ]
+    lines = real + [rng.choice(odd) for _ in range(40)]
+    rng.shuffle(lines)
+    text = ("\r\n" if seed % 3 == 0 else "\n").join(lines) + ("\n" if seed % 2 else "")
+    got = parse_engine_gauges(text)
+    assert got == _gauges_by_every_line(text)
+    assert sum(1 for _, attr, _ in got if attr == "running") >= ranks
