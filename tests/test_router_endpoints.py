@@ -422,31 +422,12 @@ def test_engine_gauges_include_kv_capacity_from_cache_config_info() -> None:
 
 
 def _gauges_by_every_line(text: str) -> list[tuple[int, str, float]]:
-    """parse_engine_gauges by its definition: every line read in turn."""
-    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-             "vllm:kv_cache_usage_perc": "kv_usage"}  # fmt: skip
-
-    def label(labels: str, key: str) -> str | None:
-        i = labels.find(f'{key}="')
-        return None if i < 0 else labels[i + len(key) + 2 : labels.find('"', i + len(key) + 2)]
+    """parse_engine_gauges by its definition: every line read in turn by the same reader of one line."""
+    from llmd.router.endpoints import _gauge_line
 
     out: list[tuple[int, str, float]] = []
     for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        name, _, labels = series.partition("{")
-        rank = 0
-        engine = label(labels, "engine")
-        if engine is not None:
-            with contextlib.suppress(ValueError):
-                rank = int(engine)
-        if name == "vllm:cache_config_info":
-            for key, attr in (("num_gpu_blocks", "kv_capacity_blocks"), ("num_cpu_blocks", "cpu_capacity_blocks")):
-                raw = label(labels, key)
-                if raw and raw.isdigit():
-                    out.append((rank, attr, float(raw)))
-        elif name in names:
-            with contextlib.suppress(ValueError):
-                out.append((rank, names[name], float(value)))
+        _gauge_line(line, out)
     return out
 
 
