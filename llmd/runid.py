@@ -13,6 +13,7 @@ runs the same rules over aiohttp with `answers_for`.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -104,7 +105,9 @@ def identify(url: str, run_id: str | None, timeout_s: float = 2.0, name: str = "
     base = url.rstrip("/")
     try:
         status, headers, body = _get(base + "/health", timeout_s)
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:
+        # Not HTTP (BadStatusLine...) is "not yet" too: a probe of a free port in the ephemeral range can connect to
+        # itself and read its own request back. Whatever else it is, the waiter's timeout names it.
         return Answer(False, reason=f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}")
     got = answers_for(status, headers.get(HEADER) if headers is not None else None, body, run_id)
     if got is not None:
@@ -115,7 +118,7 @@ def identify(url: str, run_id: str | None, timeout_s: float = 2.0, name: str = "
     try:
         m_status, _, m_body = _get(base + "/v1/models", timeout_s)
         models = json.loads(m_body) if m_status == 200 else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         models = None
     if models_vouch(models, run_id):
         return Answer(True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -16,8 +17,8 @@ from llmd.discovery import parse_discovery
 from llmd.engines.vllm import NODE_ADDRESS
 from llmd.engines.vllm_server import port_free
 from llmd.errors import UserError
-from llmd.fabric.bootstrap import _bind_first, _dp_ranks
-from llmd.fabric.comm import FileComm, slurm_world
+from llmd.fabric.bootstrap import FabricError, _bind_first, _dp_ranks, failing_together
+from llmd.fabric.comm import FabricTimeout, FileComm, PeerFailed, slurm_world
 from llmd.fabric.nodes import order_nodes, slurm_node_order
 from llmd.fabric.plan import plan_nodes
 from llmd.fabric.preflight import PreflightResult, _link_of, slow_links
@@ -195,6 +196,72 @@ def test_file_comm_allgathers_between_tasks(tmp_path: Path) -> None:
 def test_file_comm_names_missing_ranks(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"ranks \[1\] did not reach step 0"):
         FileComm(tmp_path, 0, 2).allgather("x", timeout_s=0.2)
+
+
+def test_file_comm_a_failed_rank_stops_the_others_waits_at_once_with_its_reason(tmp_path: Path) -> None:
+    """Rank 1 fails before a collective step: rank 0's wait there ends at once with rank 1's last line, not after
+    its timeout; the failing rank's own waits never read its own file."""
+    waiting = FileComm(tmp_path, 0, 2)
+    failed = FileComm(tmp_path, 1, 2)
+    failed.fail("Traceback (most recent call last):\n  ...\nOverflowError: bind(): port must be 0-65535.", 1)
+    start = time.monotonic()
+    with pytest.raises(PeerFailed, match=r"rank 1 of the component failed.*: OverflowError: bind\(\): port must"):
+        waiting.allgather("x", timeout_s=30)
+    assert time.monotonic() - start < 5
+    alone = FileComm(tmp_path / "alone", 1, 2)
+    alone.fail("its own reason", 1)
+    with pytest.raises(FabricTimeout, match=r"ranks \[0\] did not reach step 0"):
+        alone.allgather("y", timeout_s=0.2)
+
+
+class _Recorder:
+    """A two-rank Comm that records what `fail` was told (MpiComm would abort the job there)."""
+
+    kind = "mpi"
+    rank = 1
+    size = 2
+
+    def __init__(self) -> None:
+        self.failed: list[tuple[str, int]] = []
+
+    def barrier(self, timeout_s: float = 600.0) -> None:
+        return None
+
+    def allgather(self, obj: object, timeout_s: float = 600.0) -> list[object]:
+        return [obj, obj]
+
+    def fail(self, message: str, code: int) -> None:
+        self.failed.append((message, code))
+
+
+def test_failing_together_reports_a_ranks_own_failure_and_stops_the_others(capsys: pytest.CaptureFixture[str]) -> None:
+    comm = _Recorder()
+    with pytest.raises(SystemExit) as stop, failing_together(comm, "decode"):
+        raise OverflowError("bind(): port must be 0-65535.")
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and comm.failed and comm.failed[0][1] == 1
+    message = comm.failed[0][0]
+    assert "Traceback" in message and message.endswith("OverflowError: bind(): port must be 0-65535.")
+    assert message in err and "rank 1 failed: stopping the component's other 1 ranks" in err
+    comm = _Recorder()
+    with pytest.raises(SystemExit) as stop, failing_together(comm, "decode"):
+        raise FabricTimeout("rank 1: the other ranks did not reach the barrier in 600 s")
+    assert stop.value.code == FabricTimeout.exit_code
+    assert comm.failed == [("llmd fabric: error: rank 1: the other ranks did not reach the barrier in 600 s", 2)]
+
+
+@pytest.mark.parametrize("exc", [FabricError("fabric preflight failed: a slow link"), PeerFailed("rank 0 failed")])
+def test_failing_together_leaves_failures_every_rank_has_alone(exc: UserError) -> None:
+    """The preflight's verdict is raised on every rank alike, and PeerFailed is another rank's failure arriving:
+    neither stops the others again. A world of one has no others."""
+    comm = _Recorder()
+    with pytest.raises(type(exc)), failing_together(comm, "decode"):
+        raise exc
+    alone = _Recorder()
+    alone.size = 1
+    with pytest.raises(RuntimeError), failing_together(alone, "decode"):
+        raise RuntimeError("x")
+    assert comm.failed == [] and alone.failed == []
 
 
 # ---- the verdict and the record --------------------------------------------------------------------------------------

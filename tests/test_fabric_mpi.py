@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from netutil import free_ports
 
+from llmd.spec.layout import DP_RPC_OFFSET
+
 pytest.importorskip("nixl._api")
 pytest.importorskip("mpi4py")
 
@@ -29,11 +31,14 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def pool_port(replicas: int, dp: int = 1) -> int:
-    """A base port whose layout bands (HTTP, KV events, side channel, replay: +0/1000/2000/3000) are all free."""
+    """A base port whose layout bands (HTTP, KV events, side channel, replay, per-rank HTTP, DP RPC: +0/1000/.../5000)
+    are all free, and all ports: free_ports draws from the ephemeral range, which reaches 60999."""
     for _ in range(100):
         base = free_ports(replicas)
-        if base + 3000 + replicas * dp < 65536 and all(
-            _free(base + band + k) for band in (1000, 2000, 3000) for k in range(replicas * dp)
+        ranks = replicas * dp
+        bands = [base + band + k for band in (1000, 2000, 3000, 4000) for k in range(ranks)]
+        if base + DP_RPC_OFFSET + ranks < 65536 and all(
+            _free(port) for port in [*bands, *(base + DP_RPC_OFFSET + r for r in range(replicas))]
         ):
             return base
     raise RuntimeError("no free port layout")
@@ -237,6 +242,27 @@ def test_mpiexec_2_ranks_agree_on_a_dp_replicas_rpc_port_and_side_channels(tmp_p
     bases = [int(p["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for p in procs]  # rank 0's: vLLM adds the rank
     sides = [base + p["dp_ranks"][0] for base, p in zip(bases, procs, strict=True)]
     assert 0 not in bases and len({*sides, *ports}) == 3, (sides, ports)
+
+
+@pytest.mark.integration
+def test_mpiexec_one_rank_failing_before_the_engines_start_stops_every_rank_at_once(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Rank 1 alone fails while bringing the component up (here: started for a pool the spec does not have) after
+    rank 0 went on to the next collective step. Rank 0 must not wait there for its 600 s timeout (nor the failed rank
+    in MPI_Finalize for rank 0): the job ends at once with rank 1's reason and its exit code, no engine started."""
+    spec = write_spec(tmp_path / "spec.yaml", model_dir, nodes=2, replicas=2)
+    run_dir = tmp_path / "run"
+    rank0 = [*fabric_cmd(spec, run_dir), "--no-preflight"]
+    rank1 = [*rank0[: rank0.index("--role")], "--role", "prefill", "--no-preflight"]
+    cmd = [str(MPIEXEC), "-n", "1", *rank0, ":", "-n", "1", *rank1]
+    start = time.monotonic()
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 60, out.stderr
+    assert out.returncode == 2, out.stderr
+    assert "llmd fabric: error: the spec has no prefill pool" in out.stderr, out.stderr
+    assert "rank 1 failed: stopping the component's other 1 ranks" in out.stderr, out.stderr
+    assert "started decode-" not in out.stderr and not (run_dir / "logs" / "engines").exists(), out.stderr
 
 
 @pytest.mark.integration

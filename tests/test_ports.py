@@ -176,6 +176,43 @@ def test_auto_ports_are_published_and_routed_to(model_dir: Path) -> None:
     asyncio.run(body())
 
 
+def test_a_health_check_against_a_listener_that_does_not_speak_http_waits_and_names_its_answer() -> None:
+    """Bytes that are not HTTP (another protocol's banner, or a probe's own request read back when a connect to a
+    free ephemeral port meets itself) are "not yet", never an exception out of the waiter: on a fabric rank that
+    was a traceback instead of the engine's outcome. The timeout's message says what answered."""
+    import socket
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        port = srv.getsockname()[1]
+        stop = threading.Event()
+
+        def banner() -> None:
+            srv.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+        threading.Thread(target=banner, daemon=True).start()
+        try:
+            answer = runid.identify(f"http://127.0.0.1:{port}", "feedc0de")
+            assert not answer.ok and not answer.foreign and "BadStatusLine" in answer.reason
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+            try:
+                with pytest.raises(EngineStartError, match=r"not healthy .* after 1 s \(the last answer: BadStatus"):
+                    wait_healthy(f"http://127.0.0.1:{port}/health", proc, 1, name="decode-0", run_id="feedc0de")
+            finally:
+                proc.kill()
+                proc.wait()
+        finally:
+            stop.set()
+
+
 def test_a_health_check_against_a_foreign_server_names_it(squatters: list[Squatter]) -> None:
     squat = Squatter()
     squatters.append(squat)

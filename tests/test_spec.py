@@ -403,6 +403,30 @@ def test_pools_share_one_type_with_role_ports() -> None:
     assert parse_spec({"decode": {"nodes": 1}}).decode.port == 8200
 
 
+def test_a_pool_whose_port_layout_passes_65535_is_refused_naming_the_highest_base() -> None:
+    """The layout reaches base + 5000 + replicas for a DP pool (its DP RPC ports), base + 4000 + ranks without DP: the
+    highest base the message offers is accepted, one more is refused."""
+    dp = {"nodes": 2, "replicas": 2, "dp_size": 2, "gpus_per_node": 2}  # DP RPC ports: base + 5000, + 5001
+    assert parse_spec({"decode": {**dp, "port": 60534}}).decode.port == 60534
+    with pytest.raises(SpecError) as info:
+        parse_spec({"decode": {**dp, "port": 60535}})
+    (issue,) = info.value.errors
+    assert issue.path == "decode.port" and "last port at 65536" in issue.message
+    assert "at most 60534" in issue.message and "DP RPC" in issue.message
+    plain = {"nodes": 3, "replicas": 3, "port": 61533}  # 3 replicas of one rank: per-rank HTTP ports up to base + 4002
+    assert parse_spec({"decode": plain}).decode.port == 61533
+    with pytest.raises(SpecError, match=r"decode\.port: 61534 .* at most 61533, or \"auto\""):
+        parse_spec({"decode": {**plain, "port": 61534}})
+    assert parse_spec({"decode": {**dp, "port": "auto"}}).decode.port == "auto"
+
+
+def test_a_pool_with_more_ranks_than_its_port_bands_hold_is_refused() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({"decode": {"nodes": 126, "replicas": 1, "dp_size": 1008, "gpus_per_node": 8}})
+    assert [issue.path for issue in info.value.errors] == ["decode"]
+    assert "1008 DP ranks" in str(info.value) and "room for 1000" in str(info.value)
+
+
 def test_spec_issue_str() -> None:
     assert str(SpecIssue("decode.dp_size", "3 is bad", 7)) == "decode.dp_size: 3 is bad (line 7)"
     assert str(SpecIssue("", "spec is empty")) == "spec is empty"

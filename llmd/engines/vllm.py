@@ -62,17 +62,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmd.runid import served_name
-from llmd.spec.layout import EngineEndpoint, engine_endpoints
+from llmd.spec.layout import DP_RPC_OFFSET, MAX_POOL_RANKS, RANK_HTTP_OFFSET, EngineEndpoint, engine_endpoints
 from llmd.spec.model import DeploymentSpec, PoolSpec
 
 LaunchMode = Literal["head-headless", "per-rank"]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEADLESS_MODULE = "llmd.engines.vllm"
-RANK_HTTP_OFFSET = 4000
-DP_RPC_OFFSET = 5000
 DP_RPC_FLAG = "--data-parallel-rpc-port"
-MAX_POOL_RANKS = 1000  # the port bands are 1000 apart
 NODE_ADDRESS = "@NODE_ADDRESS@"
 SIDE_CHANNEL_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"  # rank 0's; vLLM adds the replica-wide DP rank
 

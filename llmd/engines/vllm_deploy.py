@@ -42,9 +42,7 @@ from typing import Any
 
 from llmd.discovery import PodInfo, with_bound_ports
 from llmd.engines.vllm import (
-    DP_RPC_OFFSET,
     NODE_ADDRESS,
-    RANK_HTTP_OFFSET,
     SIDE_CHANNEL_ENV,
     EngineLaunch,
     LaunchMode,
@@ -68,7 +66,15 @@ from llmd.engines.vllm_server import (
     wait_healthy,
 )
 from llmd.errors import UserError
-from llmd.spec.layout import KV_EVENTS_OFFSET, REPLAY_OFFSET, SIDE_CHANNEL_OFFSET, EngineEndpoint, engine_endpoints
+from llmd.spec.layout import (
+    DP_RPC_OFFSET,
+    KV_EVENTS_OFFSET,
+    RANK_HTTP_OFFSET,
+    REPLAY_OFFSET,
+    SIDE_CHANNEL_OFFSET,
+    EngineEndpoint,
+    engine_endpoints,
+)
 from llmd.spec.model import DeploymentSpec
 
 LOCALHOST = "127.0.0.1"

@@ -80,6 +80,7 @@ def wait_healthy(
         return f"; log {log}:\n{log_tail(log)}" if log is not None else ""
 
     deadline = time.monotonic() + timeout_s
+    last = ""
     while time.monotonic() < deadline:
         for proc in group:
             if proc.poll() is not None:
@@ -90,8 +91,10 @@ def wait_healthy(
         if answer.foreign:
             # It will not go away by waiting, and our server cannot be the one answering there.
             raise EngineStartError(f"{name}: {answer.reason}{where()}")
+        last = answer.reason
         time.sleep(0.25)
-    raise EngineStartError(f"{name} was not healthy at {url} after {timeout_s:.0f} s{where()}")
+    said = f" (the last answer: {last})" if last else ""
+    raise EngineStartError(f"{name} was not healthy at {url} after {timeout_s:.0f} s{said}{where()}")
 
 
 @contextmanager

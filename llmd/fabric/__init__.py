@@ -39,5 +39,9 @@ single process without a launcher (1 node). It
    User mistakes (spec, node count) exit 2 with a message; every rank prints what it saw.
 
 MPI is only used before the engines start and is finalised by all ranks together; no rank ever waits in a blocking
-MPI call (Ibarrier + Test + sleep), which on small nodes would spin a core the transfers need.
+MPI call (Ibarrier + Test + sleep), which on small nodes would spin a core the transfers need. Until then a failure on
+one rank alone (a probe's error, a bug) stops every rank at once (llmd.fabric.bootstrap.failing_together: the rank
+prints why, then MPI_Abort with its exit code, or under the file exchange a `failed.<rank>` file the others' waits
+read): left alone, the others would wait at their next collective step for its 600 s timeout and the failed rank in
+MPI_Finalize for them.
 """

@@ -18,7 +18,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -29,6 +31,7 @@ from llmd.children import die_with_parent
 from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
+from llmd.fabric.comm import Comm, PeerFailed
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 from llmd.fabric.settle import agree_ports
 from llmd.metrics.run_files import engine_metrics_path
@@ -123,18 +126,14 @@ def plan_doc(plans: Sequence[NodePlan]) -> list[dict[str, Any]]:
     ]
 
 
-def bring_up(args: argparse.Namespace) -> tuple[Any, list[NodePlan], int, Any]:
-    """Everything that needs the other ranks: returns (spec, plans, this node's index, comm)."""
-    from llmd.fabric.comm import open_comm
+def bring_up(args: argparse.Namespace, spec: Any, comm: Comm) -> tuple[list[NodePlan], int]:
+    """The node plans, which need every rank's name and address: returns (plans, this rank's node index)."""
     from llmd.fabric.nodes import local_address, local_node_name, order_nodes, slurm_node_order
     from llmd.fabric.plan import plan_nodes
 
     spec_path = os.path.abspath(args.spec)
-    spec = load_spec_checked(spec_path)
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    comm = open_comm(run_dir, args.role, env)
     names = comm.allgather((local_node_name(env), socket.gethostname()))
     single_host = len({host for _, host in names}) == 1
     addresses = comm.allgather(local_address(env, single_host))
@@ -155,7 +154,7 @@ def bring_up(args: argparse.Namespace) -> tuple[Any, list[NodePlan], int, Any]:
         run_id=runid.from_env(),  # exported by the batch script (llmd.runid)
     )
     write_plan(run_dir, args.role, comm, plans)
-    return spec, plans, where[comm.rank], comm
+    return plans, where[comm.rank]
 
 
 def write_plan(run_dir: Path, role: str, comm: Any, plans: Sequence[NodePlan]) -> None:
@@ -321,26 +320,58 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from llmd.fabric.comm import open_comm
+
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     try:
-        spec, plans, index, comm = bring_up(args)
-        plan = plans[index]
-        _log(args.role, index, f"{plan.node} ({plan.address}): replica {plan.replica}, DP ranks {plan.dp_ranks}")
-        if not args.no_preflight:
-            spec_text = redact_spec_text(Path(args.spec).read_text())  # the fabric file is a result: no tokens in it
-            preflight(args, comm, spec_text, plan.node)
-        # After the preflight, the last step with the other ranks: the shorter the wait between the probe and vLLM's
-        # bind, the smaller the chance another program takes the port first (llmd.fabric.settle).
-        agreed = agree_ports(comm, plans, index)
-        if agreed != plans:
-            plans, plan = agreed, agreed[index]
-            write_plan(Path(args.run_dir), args.role, comm, plans)
-        _finalize_mpi(comm)
+        spec = load_spec_checked(os.path.abspath(args.spec))
+        run_dir = Path(args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        comm = open_comm(run_dir, args.role, dict(os.environ))
+        with failing_together(comm, args.role):
+            plans, index = bring_up(args, spec, comm)
+            plan = plans[index]
+            _log(args.role, index, f"{plan.node} ({plan.address}): replica {plan.replica}, DP ranks {plan.dp_ranks}")
+            if not args.no_preflight:
+                spec_text = redact_spec_text(Path(args.spec).read_text())  # the fabric file is a result: no tokens
+                preflight(args, comm, spec_text, plan.node)
+            # After the preflight, the last step with the other ranks: the shorter the wait between the probe and
+            # vLLM's bind, the smaller the chance another program takes the port first (llmd.fabric.settle).
+            agreed = agree_ports(comm, plans, index)
+            if agreed != plans:
+                plans, plan = agreed, agreed[index]
+                write_plan(run_dir, args.role, comm, plans)
+            _finalize_mpi(comm)
     except _Stop as stop:
         _log(args.role, "?", f"signal {signal.Signals(stop.signum).name} before the engines started")
         return 0
     return serve(args, spec, plan)
+
+
+@contextmanager
+def failing_together(comm: Comm, role: str) -> Iterator[None]:
+    """Up to MPI's finalisation, a failure on one rank stops every rank. Left alone, the others would wait at their
+    next collective step until its timeout (600 s), and the failed rank in MPI_Finalize for them: the component would
+    hang rather than fail (a probe error on one node did, in CI). So the rank says why, as `main` would, and stops the
+    rest (comm.fail: MPI_Abort, or a file the others' waits read). A FabricError is raised on every rank alike (the
+    preflight's verdict) and PeerFailed is another rank's failure arriving: both just end this rank."""
+    try:
+        yield
+    except (FabricError, PeerFailed):
+        raise
+    except Exception as exc:
+        if comm.size == 1:
+            raise
+        code = exc.exit_code if isinstance(exc, UserError) else 1
+        if isinstance(exc, UserError):
+            message = f"llmd fabric: error: {exc}"
+        else:
+            message = "".join(traceback.format_exception(exc)).rstrip()
+        print(message, file=sys.stderr, flush=True)
+        _log(role, comm.rank, f"rank {comm.rank} failed: stopping the component's other {comm.size - 1} ranks")
+        comm.fail(message, code)
+        raise SystemExit(code) from exc
 
 
 def _finalize_mpi(comm: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,9 +33,15 @@ class Comm(Protocol):
 
     def allgather(self, obj: Any, timeout_s: float = ...) -> list[Any]: ...
 
+    def fail(self, message: str, code: int) -> None: ...
+
 
 class FabricTimeout(UserError):
     """Some task of the component never reached a collective step: it died, hangs, or was never started."""
+
+
+class PeerFailed(UserError):
+    """Another task of the component failed before it reached a collective step, and said why (FileComm.fail)."""
 
 
 class MpiComm:
@@ -71,6 +78,15 @@ class MpiComm:
         self.barrier(timeout_s)
         return self.comm.allgather(obj)
 
+    def fail(self, message: str, code: int) -> None:
+        """This rank cannot go on: stop every rank now (MPI_Abort; the launcher ends the job with `code`). Otherwise
+        the others would wait at their next collective step until its timeout, and a rank that exits while MPI is
+        up waits in MPI_Finalize for them: the component would hang instead of failing. The caller has said why."""
+        if self.size > 1 and not self._mpi.Is_finalized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.comm.Abort(code)
+
 
 class FileComm:
     """Allgather and barrier through files in a folder every task can read (the run directory on shared storage).
@@ -99,6 +115,7 @@ class FileComm:
         out: list[Any] = [None] * self.size
         missing = set(range(self.size))
         while missing:
+            self._raise_if_a_peer_failed()
             for r in sorted(missing):
                 path = self.folder / f"{step}.{r}"
                 if path.exists():
@@ -116,6 +133,20 @@ class FileComm:
     def barrier(self, timeout_s: float = 600.0) -> None:
         self.allgather(None, timeout_s)
 
+    def fail(self, message: str, code: int) -> None:
+        """This rank cannot go on: leave `failed.<rank>` with why, which every other rank's waits read and raise as
+        PeerFailed at once, instead of waiting out their timeout."""
+        tmp = self.folder / f".failed.{self.rank}.tmp"
+        tmp.write_text(message)
+        os.replace(tmp, self.folder / f"failed.{self.rank}")
+
+    def _raise_if_a_peer_failed(self) -> None:
+        for path in sorted(self.folder.glob("failed.*")):
+            rank = path.suffix.lstrip(".")
+            if rank != str(self.rank):
+                lines = path.read_text().strip().splitlines() or ["(no reason given)"]
+                raise PeerFailed(f"rank {rank} of the component failed, so this one stops too: {lines[-1]}")
+
 
 class LocalComm:
     """A world of one, for a single process when mpi4py is not installed (the light install)."""
@@ -129,6 +160,9 @@ class LocalComm:
 
     def allgather(self, obj: Any, timeout_s: float = 600.0) -> list[Any]:
         return [obj]
+
+    def fail(self, message: str, code: int) -> None:
+        return None
 
 
 def _slurm_int(env: dict[str, str], *names: str) -> int | None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from llmd.errors import UserError
+from llmd.spec.layout import MAX_POOL_RANKS, MAX_PORT, highest_port
 from llmd.spec.model import DeploymentSpec, PoolSpec
 
 
@@ -119,7 +120,35 @@ def pool_layout_issues(role: str, pool: PoolSpec) -> list[SpecIssue]:
                 "nodes, replicas or gpus_per_node",
             )
         )
-    return issues
+    return issues + pool_port_issues(role, pool)
+
+
+def pool_port_issues(role: str, pool: PoolSpec) -> list[SpecIssue]:
+    """Whether a pool's port layout (llmd.spec.layout) fits: its rank bands are 1000 ports apart, and its last port
+    (the base + up to 5000 + replicas) must be a port. Said here, before a job is queued: past it, a launcher's probe
+    of the layout's ports would fail on every node, and vLLM would refuse its DP RPC port."""
+    if pool.ranks > MAX_POOL_RANKS:
+        return [
+            SpecIssue(
+                role,
+                f"dp_size ({pool.dp_size}) x replicas ({pool.replicas}) = {pool.ranks} DP ranks, but the port layout "
+                f"has room for {MAX_POOL_RANKS} per pool (its bands are {MAX_POOL_RANKS} ports apart); use fewer "
+                "replicas or a smaller dp_size, or split the pool into two deployments",
+            )
+        ]
+    if pool.port == "auto" or highest_port(pool) <= MAX_PORT:
+        return []
+    span = highest_port(pool) - pool.port
+    last = ", per-rank HTTP and DP RPC" if pool.dp_size > 1 else " and per-rank HTTP"
+    bands = f"HTTP, KV-event, side-channel, replay{last}"
+    return [
+        SpecIssue(
+            f"{role}.port",
+            f"{pool.port} puts the pool's last port at {pool.port + span} (its {bands} ports are the base + 0 to "
+            f'{span}), past {MAX_PORT}; give a base port of at most {MAX_PORT - span}, or "auto" for free ports on '
+            "each node",
+        )
+    ]
 
 
 @check("prefill")

@@ -14,11 +14,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmd.spec.model import DeploymentSpec
+from llmd.spec.model import DeploymentSpec, PoolSpec
 
 KV_EVENTS_OFFSET = 1000
 SIDE_CHANNEL_OFFSET = 2000
 REPLAY_OFFSET = 3000
+RANK_HTTP_OFFSET = 4000  # a per-rank API server's HTTP port (launch mode "per-rank", llmd.engines.vllm)
+DP_RPC_OFFSET = 5000  # a DP replica's --data-parallel-rpc-port, + replica (llmd.engines.vllm)
+MAX_POOL_RANKS = 1000  # the rank bands are 1000 apart
+MAX_PORT = 65535
+
+
+def highest_port(pool: PoolSpec) -> int:
+    """The last port of a numbered pool's layout: its replicas' HTTP ports, each rank's KV-event, side-channel, replay
+    and per-rank HTTP ports, and (DP replicas) the DP RPC ports. The spec refuses a base whose layout passes
+    MAX_PORT."""
+    assert pool.port != "auto"
+    top = max(pool.replicas - 1, RANK_HTTP_OFFSET + pool.ranks - 1)
+    if pool.dp_size > 1:
+        top = max(top, DP_RPC_OFFSET + pool.replicas - 1)
+    return pool.port + top
 
 
 @dataclass(frozen=True)
