@@ -31,7 +31,7 @@ from llmd.children import die_with_parent
 from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.errors import UserError
-from llmd.fabric.comm import Comm, PeerFailed
+from llmd.fabric.comm import Comm, PeerFailed, open_comm
 from llmd.fabric.plan import ROLES, EngineProcess, NodePlan
 from llmd.fabric.settle import agree_ports
 from llmd.metrics.run_files import engine_metrics_path
@@ -320,8 +320,6 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmd.fabric.comm import open_comm
-
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     try:
@@ -363,15 +361,18 @@ def failing_together(comm: Comm, role: str) -> Iterator[None]:
     except Exception as exc:
         if comm.size == 1:
             raise
-        code = exc.exit_code if isinstance(exc, UserError) else 1
         if isinstance(exc, UserError):
-            message = f"llmd fabric: error: {exc}"
+            code, message = exc.exit_code, _error_line(exc)
         else:
-            message = "".join(traceback.format_exception(exc)).rstrip()
+            code, message = 1, "".join(traceback.format_exception(exc)).rstrip()
         print(message, file=sys.stderr, flush=True)
         _log(role, comm.rank, f"rank {comm.rank} failed: stopping the component's other {comm.size - 1} ranks")
         comm.fail(message, code)
         raise SystemExit(code) from exc
+
+
+def _error_line(exc: UserError) -> str:
+    return f"llmd fabric: error: {exc}"
 
 
 def _finalize_mpi(comm: Any) -> None:
@@ -390,5 +391,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except UserError as exc:
-        print(f"llmd fabric: error: {exc}", file=sys.stderr, flush=True)
+        print(_error_line(exc), file=sys.stderr, flush=True)
         return exc.exit_code
