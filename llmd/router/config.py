@@ -57,6 +57,8 @@ class RouterConfig:
     index_max_entries: int = 50_000_000
     prompt_cache_tokens: int = 16_000_000  # tokens of recent prompts kept for incremental tokenization
     offload_tokenize_bytes: int = 64 << 10  # bodies this large are tokenized off the event loop
+    # A text completion prompt the router tokenized goes to the engine as its token ids (RouterSpec.forward_tokens).
+    forward_tokens: bool = True
     router_spec: Any = None  # the RouterSpec (or any RouterSettings) the scheduler reads
     seed: int = 0
     metrics_out: str | None = None  # the router's own HDF5 (llmd.router.recorder); None: none
@@ -78,6 +80,7 @@ class RouterConfig:
             "api_key": api_key or None,
             "max_inflight_per_pod": r.max_inflight_per_pod,
             "queue_limit": r.queue_limit,
+            "forward_tokens": r.forward_tokens,
             "router_spec": r,
         }
         kw.update(overrides)

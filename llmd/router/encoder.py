@@ -27,6 +27,8 @@ class RouteTokens:
     block_hashes: Sequence[int]
     num_tokens: int
     fingerprint: str | None = None
+    # The token ids of a text prompt the router tokenized (what the engine would compute), to forward in its place.
+    token_ids: Sequence[int] | None = None
 
 
 class PromptEncoder:
@@ -65,9 +67,10 @@ class PromptEncoder:
             if isinstance(body.get("chat_template"), str):
                 kw["chat_template"] = body["chat_template"]
             enc = self.cache.encode(source, add_special_tokens=special, cache_salt=salt, **kw)
-        else:
-            enc = self.cache.encode(source, add_special_tokens=special, cache_salt=salt)
-        return RouteTokens(enc.block_hashes, enc.num_tokens, enc.session)
+            # vLLM's chat API takes messages only: a conversation's ids have nowhere to go.
+            return RouteTokens(enc.block_hashes, enc.num_tokens, enc.session)
+        enc = self.cache.encode(source, add_special_tokens=special, cache_salt=salt)
+        return RouteTokens(enc.block_hashes, enc.num_tokens, enc.session, enc.token_ids)
 
 
 def load_encoder(c: RouterConfig) -> PromptEncoder:
@@ -125,6 +128,7 @@ class PromptReader:
             out.block_hashes = enc.block_hashes
             out.num_tokens = enc.num_tokens
             out.fingerprint = enc.fingerprint
+            out.token_ids = enc.token_ids
         return out
 
     async def encode(self, session: str | None, kind: Kind, source: Any, body: dict[str, Any], size: int) -> Any:

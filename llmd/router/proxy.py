@@ -1,9 +1,11 @@
 """The router's HTTP side: an OpenAI-compatible aiohttp proxy around the router core (llmd.router.core).
 
 Request flow: read (size-limited) -> parse once (llmd.router.request) -> tokenize with the per-session prompt cache
-(llmd.router.encoder; block hashes for the precise scorer) -> admission: the core admits the request or queues it,
-and the proxy awaits a future the core's answer resolves -> the core's hops (P/D prefill hop, P2P parameters;
-llmd.router.pd) -> forward, streaming chunk by chunk (llmd.router.upstream) -> the outcome back to the core.
+(llmd.router.encoder; block hashes for the precise scorer; a text completion's prompt is then forwarded as those
+token ids, RouterSpec.forward_tokens, so the engine does not tokenize it again) -> admission: the core admits the
+request or queues it, and the proxy awaits a future the core's answer resolves -> the core's hops (P/D prefill hop,
+P2P parameters; llmd.router.pd) -> forward, streaming chunk by chunk (llmd.router.upstream) -> the outcome back to
+the core.
 
 A request that has sent nothing to its client yet is retried on another pod when its pod fails (connection refused or
 reset, a 5xx, a body cut short), with any KV-transfer parameters dropped; once bytes have reached the client a failure
@@ -59,6 +61,7 @@ from llmd.router.request import (
     max_tokens,
     parse_body,
     recorder_row,
+    with_token_ids,
 )
 from llmd.router.scheduling import NoEndpointError, RouteRequest, Scheduler, Tuning
 from llmd.router.upstream import Retry, Upstream
@@ -463,6 +466,10 @@ class Router:
         user = body.get("user")
         session = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
         prompt = await self._prompts.read(kind, body, session, len(raw), self.core.chars_per_token)
+        if c.forward_tokens:
+            forward = with_token_ids(kind, body, prompt.token_ids)
+            if forward is not None:
+                body, raw = forward, json_encode(forward)
         session = session or prompt.fingerprint or "-"
         request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}-{next(self._ids)}"
         headers = {"Content-Type": "application/json"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -59,6 +60,7 @@ class Prompt:
     text_hashes: Sequence[int] = ()
     fingerprint: str | None = None
     chars: int = 0  # prompt characters when num_tokens is an estimate from them (approximate)
+    token_ids: Sequence[int] | None = None  # a text completion prompt's ids, as the engine would tokenize it
 
 
 @dataclass(slots=True)
@@ -125,6 +127,20 @@ def prompt_source(kind: Kind, body: dict[str, Any]) -> Any:
     ):
         return prompt
     raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+
+
+def with_token_ids(kind: Kind, body: dict[str, Any], ids: Sequence[int] | None) -> dict[str, Any] | None:
+    """The body to send the engine in place of the client's: its text prompt replaced by the token ids the router
+    computed for routing (exactly the engine's own tokenization, llmd.tokens), so the engine does not tokenize the
+    prompt again (~0.4 s of an API server's CPU for a fresh 195K-token context). None where the ids cannot stand in:
+    a chat (vLLM's chat API takes messages only), a batch of prompts (the router tokenizes the first), echo (the
+    engine would answer with the ids decoded, which need not be the client's text) and truncate_prompt_tokens
+    (vLLM versions cut text and token prompts from different ends)."""
+    if kind != "completion" or ids is None or not isinstance(body.get("prompt"), str):
+        return None
+    if body.get("echo") or body.get("truncate_prompt_tokens") is not None:
+        return None
+    return {**body, "prompt": ids.tolist() if isinstance(ids, array) else list(ids)}
 
 
 def check_message(m: dict[str, Any], i: int) -> None:

@@ -241,6 +241,12 @@ class RouterSpec(_Section):
     pd_decider: PDDecider = "threshold"
     pd_threshold: int = Field(default=16, ge=0, description="Uncached prompt tokens at which to disaggregate.")
     p2p: bool = Field(default=True, description="Pull cached prefixes from peer engines instead of recomputing.")
+    forward_tokens: bool = Field(
+        default=True,
+        description="Send a completion's text prompt to the engine as the token ids the router computed for prefix "
+        "routing (vLLM takes token-id prompts), so the engine does not tokenize it again; false: forward the "
+        "client's body untouched.",
+    )
     host: Host = "127.0.0.1"
     port: Port = Field(
         default=8000,

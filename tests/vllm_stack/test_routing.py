@@ -149,6 +149,12 @@ def test_router_hashes_equal_the_engines_events(stack: VllmDeployment) -> None:
                     assert data["usage"]["prompt_tokens"] == len(engine_tokens)
                     routed = router.encoder.encode_route(session, kind, source, req)
                     assert routed.num_tokens == len(engine_tokens), f"{session}: router tokenized differently"
+                    if kind == "completion":
+                        # The router sent its own token ids in the text's place (RouterSpec.forward_tokens): vLLM's
+                        # tokenization of the text itself, asked directly, is the same.
+                        _, direct = await post_async(http, pod_named(stack, pod).url + path, req, session)
+                        direct_tokens = direct.get("prompt_token_ids") or direct["choices"][0]["prompt_token_ids"]
+                        assert direct_tokens == engine_tokens, f"{session}: the engine tokenizes the text otherwise"
                     want = hasher.event_hashes(engine_tokens)
                     assert list(routed.block_hashes) == want, f"{session}: router's block hashes differ"
                     assert len(want) == len(engine_tokens) // BLOCK_SIZE
