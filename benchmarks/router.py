@@ -17,7 +17,10 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   llmd round-robin / sglang round_robin. The routers take turns, each started afresh in front of 4 engines started
   afresh for it (every router meets the same cold fleet), in alternating order over --rounds rounds (the machine is
   shared and its speed drifts); the median of the rounds' ratios. Core 1 (engines and client) is the limit for every
-  router here, so the ratio follows what a router makes the engines spend per request as well as its own CPU:
+  router here, so the ratio follows what a router makes the engines spend per request as well as its own CPU (llmd
+  sends the prompt as the token ids it computed for routing, RouterSpec.forward_tokens, under either policy: the
+  prefix hits its P/D and P2P decisions read are counted under round-robin too; its engines do not tokenize,
+  sglang-router's do):
   `# engine_busiest_share` and `# engine_steps_per_req` show how it spread the load (on a cold fleet both prefix-aware
   policies send this workload, whose shared system prompt is most of each prompt, to one engine: one big batch, fewer
   steps a request, on the core all four engines share).
@@ -26,8 +29,8 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   everywhere; the share of prompt tokens the engines served from cache (their own usage.cached_tokens). The oracle is
   the share an unbounded cache that had seen every earlier prompt would serve. Target: precise >= 0.9 x oracle and
   precise > approximate.
-`python benchmarks/router.py` (~5 minutes); `--quick`: the hit rates only; `--route-544`: the 544-endpoint lines only;
-`--throughput`: the throughput lines only (~1.5 minutes).
+`python benchmarks/router.py` (~7 minutes); `--quick`: the hit rates only; `--route-544`: the 544-endpoint lines only;
+`--throughput`: the throughput lines only (~4 minutes).
 """
 
 from __future__ import annotations
@@ -594,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route-544", action="store_true", help="route_ms_*_544 only (~1 minute, ~3 GB)")
     p.add_argument("--index-entries", type=int, default=20_000_000, help="KV index size for route_ms_*_544")
     p.add_argument("--throughput", action="store_true", help="router_req_per_s and router_vs_sglang* only")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the throughput comparison")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the throughput comparison")
     args = p.parse_args(argv)
     if args.route_544:
         route_cost_544(args.index_entries)
