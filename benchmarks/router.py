@@ -11,13 +11,15 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
   with the garbage collector set as `llmd router` sets it (llmd.router.cli.settle_gc). `# scrape_parse_ms_per_s_544`:
   the router's CPU a second reading that deployment's gauges from every pod's /metrics (all DP ranks' series).
 - router_req_per_s: non-streaming completions with short text prompts through `llmd router --policy precise` (pinned
-  to core 0) in front of 4 simulated engines at time scale 0 (pinned with the client to core 1). Median of the rounds.
+  to one core) in front of 4 simulated engines at time scale 0 (pinned with the client to the other; the two swap
+  every round, as the cores' speeds differ on this shared machine). Median of the rounds.
 - router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
   prefix-aware policy cache_aware on the same engines, llmd / sglang, target >= 1.0; router_vs_sglang_round_robin:
   llmd round-robin / sglang round_robin. The routers take turns, each started afresh in front of 4 engines started
   afresh for it (every router meets the same cold fleet), in alternating order over --rounds rounds (the machine is
-  shared and its speed drifts); the median of the rounds' ratios. Core 1 (engines and client) is the limit for every
-  router here, so the ratio follows what a router makes the engines spend per request as well as its own CPU (llmd
+  shared and its speed drifts); the median of the rounds' ratios. The engines' and client's core is sglang-router's
+  limit, and llmd's router (~800 us of CPU a request against ~200) is near the limit of its own core too, so the
+  ratio follows what a router makes the engines spend per request as well as its own CPU (llmd
   sends the prompt as the token ids it computed for routing, RouterSpec.forward_tokens, under either policy: the
   prefix hits its P/D and P2P decisions read are counted under round-robin too; its engines do not tokenize,
   sglang-router's do):
@@ -302,12 +304,12 @@ def pinned(cmd: list[str], cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu), *cmd] if hasattr(os, "sched_setaffinity") else cmd
 
 
-def start_engines(spec: Path, urls: list[str], log: Path | None = None) -> subprocess.Popen:
-    """`llmd engine sim --all` for `spec`, pinned to core 1 (with the client), once every engine answers."""
+def start_engines(spec: Path, urls: list[str], log: Path | None = None, cpu: int = 1) -> subprocess.Popen:
+    """`llmd engine sim --all` for `spec`, pinned to core `cpu` (with the client), once every engine answers."""
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
     engines = subprocess.Popen(
         pinned([sys.executable, "-m", "llmd.cli", "engine", "sim", "--all", "--spec", str(spec), "--log-level",
-                "WARNING"], 1),
+                "WARNING"], cpu),
         stdout=out, stderr=subprocess.STDOUT if log is not None else None, cwd=ROOT,
     )  # fmt: skip
     try:
@@ -320,10 +322,10 @@ def start_engines(spec: Path, urls: list[str], log: Path | None = None) -> subpr
 
 
 def start_router(cmd: list[str], port: int, engines: subprocess.Popen, name: str,
-                 log: Path | None = None) -> subprocess.Popen:  # fmt: skip
-    """A router process pinned to core 0, once it answers /health and has had its first health round."""
+                 log: Path | None = None, cpu: int = 0) -> subprocess.Popen:  # fmt: skip
+    """A router process pinned to core `cpu`, once it answers /health and has had its first health round."""
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
-    router = subprocess.Popen(pinned(cmd, 0), stdout=out, stderr=subprocess.STDOUT if log is not None else None,
+    router = subprocess.Popen(pinned(cmd, cpu), stdout=out, stderr=subprocess.STDOUT if log is not None else None,
                               cwd=ROOT)  # fmt: skip
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", [engines, router], 60, name=name)
@@ -438,8 +440,8 @@ THROUGHPUT_ROUTERS = (
 
 def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
     """router_req_per_s (llmd precise) and its ratio to sglang-router's on the same engines: each router in turn,
-    started afresh, in alternating order round by round (the machine is shared; its speed drifts), and the median of
-    the rounds' ratios."""
+    started afresh, in alternating order every other round (the machine is shared; its speed drifts), with the
+    router's core and the engines' and client's swapped every round, and the median of the rounds' ratios."""
     spec = tmp / "rps.yaml"
     peers = peers_python()
     routers = [r for r in THROUGHPUT_ROUTERS if r[1] == "llmd" or peers is not None]
@@ -454,17 +456,29 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
     # prompts by no-hit LRU over a fleet where every engine already held it (rounds 2-3 of one run: 0.29-0.35 of
     # the requests on the busiest engine against 1.00 in round 1), with the engines' CPU per request as a result.
     # sglang-router probes each worker for HTTP/2 (gRPC) at start; the engines log the refusals: to a file.
+    # The two cores of this shared machine are not equally fast, nor equally fast from one minute to the next (their
+    # neighbours' load): a router that is the limit on its own core (llmd's, ~800 us a request) and one whose limit
+    # is the engines' core (sglang-router's, ~200 us) trade places by which core is the faster, round after round
+    # (per-round ratios 0.79-1.80 in one run). Each round swaps the cores, so each router meets both.
+    two = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
+    placements: list[int] = []
     for r in range(rounds):
-        order = routers if r % 2 == 0 else routers[::-1]
+        order = routers if (r // 2) % 2 == 0 else routers[::-1]
+        router_cpu = r % 2 if two else 0
+        fleet_cpu = 1 - router_cpu
+        placements.append(router_cpu)
+        if two:
+            os.sched_setaffinity(0, {fleet_cpu})  # the client, with the engines
         for label, kind, policy in order:
             base, urls, engines = on_free_ports(lambda b: write_spec(spec, model, b, 4, 16, None),
-                                                lambda u: start_engines(spec, u, tmp / "rps-engines.log"))  # fmt: skip
+                                                lambda u, c=fleet_cpu: start_engines(spec, u, tmp / "rps-engines.log",
+                                                                                     c))  # fmt: skip
             router = None
             try:
                 port = base - 100
                 cmd = router_cmd(kind, policy, spec, port, urls, peers)
                 assert cmd is not None
-                router = start_router(cmd, port, engines, label)
+                router = start_router(cmd, port, engines, label, cpu=router_cpu)
                 cpu0, fleet0, count0 = cpu_seconds(router.pid), cpu_seconds(engines.pid), engine_counts(urls)
                 rps[label].append(asyncio.run(drive(f"http://127.0.0.1:{port}", n, 64)))
                 cpu[label].append((cpu_seconds(router.pid) - cpu0) / n)
@@ -475,11 +489,14 @@ def throughput(model: Path, tmp: Path, rounds: int, n: int = 5000) -> None:
                 steps[label].append(sum(k for _, k in done) / total)
             finally:
                 stop(router, engines)
+    if two:
+        os.sched_setaffinity(0, {1})  # as main() set it, for what runs next
     info("router_throughput", f"{n} non-streaming completions at concurrency 64 per run, {rounds} rounds, 4 engines; "
          + "; ".join(f"{label}: {' '.join(f'{v:.0f}' for v in vs)}" for label, vs in rps.items()))  # fmt: skip
     # CPU per request is what the router costs whatever else the shared machine runs; req/s is what the issue asks.
+    info("router_core", "per round " + " ".join(str(c) for c in placements) + " (the engines and client on the other)")
     info("router_cpu_us_per_req", "; ".join(f"{label}: {statistics.median(v) * 1e6:.0f}" for label, v in cpu.items()))
-    # The engines share core 1 with the client: what a router makes them do (llmd's gauge scrapes, its KV event
+    # The engines share a core with the client: what a router makes them do (llmd's gauge scrapes, its KV event
     # subscriptions) is capacity the fleet lacks for requests.
     per_req = "; ".join(f"{label}: {statistics.median(v) * 1e6:.0f}" for label, v in fleet.items())
     info("engines_cpu_us_per_req", per_req)
@@ -597,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route-544", action="store_true", help="route_ms_*_544 only (~1 minute, ~3 GB)")
     p.add_argument("--index-entries", type=int, default=20_000_000, help="KV index size for route_ms_*_544")
     p.add_argument("--throughput", action="store_true", help="router_req_per_s and router_vs_sglang* only")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of the throughput comparison")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of the throughput comparison (cores swap each round)")
     args = p.parse_args(argv)
     if args.route_544:
         route_cost_544(args.index_entries)
