@@ -16,11 +16,11 @@ Prints `name: value  # target ... (ratio R)` lines, R >= 1 meaning the target is
 - router_vs_sglang: the same through sglang-router (PyPI, installed into .venv-peers by benchmarks/peers.py) with its
   prefix-aware policy cache_aware on the same engines, llmd / sglang, target >= 1.0; router_vs_sglang_round_robin:
   llmd round-robin / sglang round_robin. The routers take turns, each started afresh in front of 4 engines started
-  afresh for it (every router meets the same cold fleet), in alternating order over --rounds rounds (the machine is
-  shared and its speed drifts); the median of the rounds' ratios. The engines' and client's core is sglang-router's
-  limit, and llmd's router (~800 us of CPU a request against ~200) is near the limit of its own core too, so the
-  ratio follows what a router makes the engines spend per request as well as its own CPU (llmd
-  sends the prompt as the token ids it computed for routing, RouterSpec.forward_tokens, under either policy: the
+  afresh for it (every router meets the same cold fleet), in an order reversed every other round of --rounds (the
+  machine is shared and its speed drifts); the median of the rounds' ratios. The engines' and client's core is
+  sglang-router's limit, and llmd's router (~800 us of CPU a request against ~200) is near the limit of its own core
+  too, so the ratio follows what a router makes the engines spend per request as well as its own CPU (llmd sends
+  the prompt as the token ids it computed for routing, RouterSpec.forward_tokens, under either policy: the
   prefix hits its P/D and P2P decisions read are counted under round-robin too; its engines do not tokenize,
   sglang-router's do):
   `# engine_busiest_share` and `# engine_steps_per_req` show how it spread the load (on a cold fleet both prefix-aware

@@ -1,6 +1,7 @@
 """The router forwards a text completion's prompt as the token ids it computed for prefix routing, so the engine does
 not tokenize it again: the engine gets exactly its own tokenization and answers as it does to the text; where ids
-cannot stand in for the text (chat, batches, echo, truncation) or the spec turns it off, the body goes untouched."""
+cannot stand in for the text (chat, batches, echo, truncation) or the spec turns it off, the body goes untouched.
+Both P/D hops carrying the ids: tests/test_router_hops.py."""
 
 from __future__ import annotations
 
@@ -65,26 +66,6 @@ def test_the_engine_gets_its_own_tokenization_and_answers_as_to_the_text(model_d
                         assert r["choices"][0]["text"] == d["choices"][0]["text"]
                         assert r["choices"][0].get("logprobs") == d["choices"][0].get("logprobs")
                         assert r["usage"] == d["usage"]
-
-    run(body)
-
-
-def test_pd_hops_both_carry_the_ids(model_dir: Path) -> None:
-    tok = Tokenizer(model_dir)
-
-    async def body() -> None:
-        async with Servers() as sv, aiohttp.ClientSession() as http:
-            pre = await sv.start(engine(model_dir, "p0", role="prefill"), Recording)
-            dec = await sv.start(engine(model_dir, "d0", role="decode"), Recording)
-            assert isinstance(pre, Recording) and isinstance(dec, Recording)
-            async with Router(rconfig(model_dir, pd_threshold=16), [pod_of(pre), pod_of(dec)]) as router:
-                prompt = words(7, 200)
-                st, r, h = await post(http, router.url + "/v1/completions", _completion(prompt))
-                assert st == 200, r
-                assert h["x-llmd-pd"] == "ok"
-                ids = tok.encode(prompt)
-                assert pre.seen[-1][0]["prompt"] == ids and pre.seen[-1][0]["max_tokens"] == 1
-                assert dec.seen[-1][0]["prompt"] == ids and "kv_transfer_params" in dec.seen[-1][0]
 
     run(body)
 

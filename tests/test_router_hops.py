@@ -29,6 +29,7 @@ from llmd.engines.sim.server_config import default_latency
 from llmd.metrics import read_requests
 from llmd.router import pd as hops
 from llmd.router.proxy import Router
+from llmd.tokens import Tokenizer
 
 # ---- P/D and P2P -----------------------------------------------------------------------------------------------------
 
@@ -75,6 +76,14 @@ def test_pd_two_hops_as_nixl_connector_expects(model_dir: Path) -> None:
                 rtext = await metric_text(http, router.url)
                 assert metric(rtext, "llmd_router_pd_total", outcome="ok") == 2
                 assert metric(rtext, "llmd_router_prefill_hop_seconds_count") == 2
+                # A text completion's prompt reaches both hops as the router's token ids (RouterSpec.forward_tokens).
+                prompt = words(7, 200)
+                st, r, h = await post(http, router.url + "/v1/completions", {"prompt": prompt, "max_tokens": 3})
+                assert st == 200, r
+                assert h["x-llmd-pd"] == "ok"
+                ids = Tokenizer(model_dir).encode(prompt)
+                assert pre.seen[-1][0]["prompt"] == ids and pre.seen[-1][0]["max_tokens"] == 1
+                assert dec.seen[-1][0]["prompt"] == ids and "kv_transfer_params" in dec.seen[-1][0]
                 # A short prompt stays on the decode pod alone.
                 st, r, h = await post(http, router.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
                 assert st == 200 and "x-llmd-prefill-pod" not in h and h["x-llmd-pd-reason"] == "below-threshold"
