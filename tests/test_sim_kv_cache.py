@@ -81,3 +81,50 @@ def test_free_queue_order_matches_the_linked_list_through_hits_frees_and_compact
         assert kv.num_free_blocks == len(ref.q)
         kv.check_invariants(live)
     assert len(compactions) > 3
+
+
+def _drive(kv: KVCacheManager, seed: int) -> list:
+    """A random workload under eviction pressure (GPU and CPU tiers): the events it published, in order."""
+    hasher = BlockHasher(kv.block_size)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(kv.block_size * rng.randint(2, 8))] for _ in range(6)]
+    live: list[SimRequest] = []
+    events: list = []
+    for i in range(1500):
+        if live and (rng.random() < 0.4 or kv.num_free_blocks < 16):
+            kv.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 30))]
+            req = SimRequest(f"r{i}", tokens, 1)
+            req.init_engine_state(hasher, random.Random(i))
+            hits, n_hit, _ = kv.get_computed_blocks(req)
+            if kv.allocate_slots(req, req.num_tokens - n_hit, hits):
+                live.append(req)
+        kv.flush_cpu_stores()
+        events += kv.take_events()
+    return events
+
+
+def test_coalesced_events_carry_the_same_hashes_in_the_same_order_and_leave_the_index_the_same() -> None:
+    from llmd.kv.events import BlockRemoved, BlockStored
+    from llmd.kv.index import KVIndex
+
+    per_block = _drive(KVCacheManager(48, 4, num_cpu_blocks=40, event_token_ids=False), 3)
+    coalesced = _drive(KVCacheManager(48, 4, num_cpu_blocks=40, event_token_ids=False, coalesce_events=True), 3)
+
+    def flat(events: list) -> list[tuple[str, str | None, int]]:
+        return [(type(e).__name__, e.medium, h) for e in events for h in e.block_hashes]
+
+    assert flat(coalesced) == flat(per_block)
+    removed = [e for e in coalesced if isinstance(e, BlockRemoved) and e.medium == "GPU"]
+    cpu_stored = [e for e in coalesced if isinstance(e, BlockStored) and e.medium == "CPU"]
+    # The workload evicted runs of blocks and wrote CPU jobs of several blocks: coalescing had something to merge.
+    assert any(len(e.block_hashes) > 1 for e in removed) and any(len(e.block_hashes) > 1 for e in cpu_stored)
+    assert len(coalesced) < len(per_block)
+    ix_a, ix_b = KVIndex(), KVIndex()
+    ix_a.apply_events(("pod", 0), per_block)
+    ix_b.apply_events(("pod", 0), coalesced)
+    every = sorted({h for _, _, h in flat(per_block)})
+    assert len(ix_a) == len(ix_b) > 0
+    for h in every:
+        assert ix_a.query([h]) == ix_b.query([h])

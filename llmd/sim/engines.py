@@ -432,6 +432,7 @@ def _rank_config(cfg: SimServerConfig, rank: int, info: PodInfo) -> Any:
     return replace(
         cfg.engine,
         event_token_ids=False,  # the router's index reads the hashes only
+        coalesce_events=True,  # ... and applies them in order: one event per eviction run or CPU store job
         dp_rank=rank,
         engine_id=info.engine_id_of(rank) or f"{info.name}-{rank}",
         side_channel_host=side[0] if side else info.name,

@@ -74,6 +74,9 @@ class SimEngineConfig:
     # BlockStored events carry the blocks' token ids, as vLLM's do; a consumer that reads only the hashes (the cluster
     # simulator's router) saves producing them: a long prompt's ids are tens of thousands of ints per event.
     event_token_ids: bool = True
+    # One event per evicting allocation and per CPU store job instead of per block (KVCacheManager.coalesce_events):
+    # for the cluster simulator, whose router index ends the same either way; a live engine speaks vLLM's stream.
+    coalesce_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 2:
@@ -178,6 +181,7 @@ class EngineCore:
             cpu_events_self_describing=c.cpu_events_self_describing,
             drop_last_hit_block=c.num_speculative_tokens > 0,
             event_token_ids=c.event_token_ids,
+            coalesce_events=c.coalesce_events,
         )
         self.scheduler = EngineScheduler(
             self.kv,

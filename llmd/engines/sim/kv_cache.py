@@ -46,6 +46,7 @@ class KVCacheManager:
         cpu_events_self_describing: bool = False,
         drop_last_hit_block: bool = False,
         event_token_ids: bool = True,
+        coalesce_events: bool = False,
     ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is the null block)")
@@ -55,6 +56,10 @@ class KVCacheManager:
         # vLLM drops the last hit block under EAGLE/MTP so the drafter sees its inputs recomputed.
         self.drop_last_hit_block = drop_last_hit_block
         self.event_token_ids = event_token_ids  # False: GPU-tier BlockStored events carry no token ids
+        # True: the blocks one allocation evicts go out as one BlockRemoved, and a CPU store job's blocks as one
+        # BlockStored, where vLLM publishes one event per block. A consumer that applies hashes in order (the router's
+        # index) ends in the same state; the cluster simulator saves an event object and an index call per block.
+        self.coalesce_events = coalesce_events
         self.ref_cnt = [0] * num_gpu_blocks
         self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
         # The free queue (front evicted first), kept lazily: segments [stamp, next index, blocks] in queue order, one
@@ -262,11 +267,36 @@ class KVCacheManager:
             else:
                 seg[1] = i
         self._n_free -= n
+        if self.coalesce_events:
+            hashed = [b for b in out if block_hash[b] is not None]
+            if hashed:
+                self._evict_all(hashed)
+            return out
         for b in out:
             h = block_hash[b]
             if h is not None:
                 self._evict(b, h)  # in the order handed out, as one by one: BlockRemoved events in that order
         return out
+
+    def _evict_all(self, blocks: list[int]) -> None:
+        """_evict for each of `blocks` (all hashed), in order, published as one BlockRemoved."""
+        block_hash = self.block_hash
+        cached = self.cached
+        hashes = [block_hash[b] for b in blocks]
+        for b, h in zip(blocks, hashes, strict=True):
+            v = cached.get(h)
+            if v is not None:
+                if type(v) is int:
+                    if v == b:
+                        del cached[h]
+                else:
+                    v.pop(b, None)
+                    if len(v) == 1:
+                        cached[h] = next(iter(v))
+            block_hash[b] = None
+        self.gpu_evicted_blocks += len(blocks)
+        from_bytes = int.from_bytes
+        self.events.append(BlockRemoved([from_bytes(h, "big") & MASK64 for h in hashes], GPU, 0))  # type: ignore[arg-type]
 
     def _evict(self, b: int, h: bytes) -> None:
         v = self.cached.get(h)
@@ -444,7 +474,10 @@ class KVCacheManager:
                 events.append(BlockRemoved(evicted, CPU, 0))
             if metas is None:
                 cpu.update(dict.fromkeys(hashes))
-                events += [BlockStored([x], None, [], 0, None, CPU, None, None, 0) for x in h64s]
+                if self.coalesce_events:
+                    events.append(BlockStored(h64s, None, [], 0, None, CPU, None, None, 0))
+                else:
+                    events += [BlockStored([x], None, [], 0, None, CPU, None, None, 0) for x in h64s]
             else:
                 for h, x, meta in zip(hashes, h64s, metas, strict=True):
                     cpu[h] = meta
