@@ -133,6 +133,25 @@ def test_completions_usage_and_cached_tokens(model_dir: Path, tok: SimTokenizer)
     run(body)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_as_vllm(model_dir: Path, tok: SimTokenizer) -> None:
+    async def body() -> None:
+        async with SimServer(config(model_dir)) as s, aiohttp.ClientSession() as http:
+            url = s.url + "/v1/completions"
+            ids = tok.encode(PROMPT)
+            for prompt in (PROMPT, ids):  # text is tokenized first, then truncated like ids
+                req = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 7, "return_token_ids": True}
+                st, r = await post(http, url, req)
+                assert st == 200, r
+                assert r["usage"]["prompt_tokens"] == 7
+                assert r["choices"][0]["prompt_token_ids"] == ids[-7:]
+            # More than the prompt holds, or -1 (max_model_len less one): the prompt stays whole.
+            for keep in (len(ids) + 5, -1):
+                st, r = await post(http, url, {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": keep})
+                assert st == 200 and r["usage"]["prompt_tokens"] == len(ids)
+
+    run(body)
+
+
 def test_chat_streaming_and_not(model_dir: Path, tok: SimTokenizer) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
 

@@ -291,8 +291,11 @@ class GenerationServing(OpenAIServing):
             else:
                 ids = prompt
             if req.truncate_prompt_tokens is not None:
+                # vLLM truncates a generation prompt from the left (its tokenizers' truncation_side): the last
+                # `keep` tokens stay, the context nearest the answer; -1 keeps what max_model_len leaves one token.
                 keep = max_len - 1 if req.truncate_prompt_tokens < 0 else req.truncate_prompt_tokens
-                ids = ids[:keep]
+                if keep < len(ids):
+                    ids = ids[len(ids) - keep :]
             check_prompt_length(ids, max_len, from_text=from_text)
             out.append((ids, text))
         return out
