@@ -8,10 +8,11 @@ Prints `name: value  # target ... (ratio R)`, R >= 1 meaning the target is met.
 - live_vs_sim_*: the default demo's deployment and workload (`llmd demo`: 3 prefill + 2 decode simulated engines
   under KV pressure, 12 agents) at engine and workload time scale 3 for 60 s, run live (engines, router and load
   generator in this process, real HTTP on 127.0.0.1) and simulated (llmd/sim/data/llmd-demo.yaml: that process's CPU
-  costs): errors of the simulation against the live run in hit share (engines' own counters), requests/min and TTFT
-  p50/p90 (targets 5% and 10%; ttft_err is the worse of p50 and p90).
-`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live]`: the 900 s run takes ~30 minutes on this
-2-core machine today (`--duration 60`: ~2), the live-vs-simulated run ~3.
+  costs), for each of --fidelity-seeds workload seeds (3): errors of the simulation's mean over the seeds against the
+  live runs' mean in hit share (engines' own counters), requests/min and TTFT p50/p90 (targets 5% and 10%; ttft_err
+  is the worse of p50 and p90). Each seed's pair is printed too.
+`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live]`: the 900 s run takes ~20 minutes on this
+2-core machine today (`--duration 60`: ~2), the live-vs-simulated runs ~3.5.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,7 +77,8 @@ def scale_run(agents: int, duration_s: float) -> dict:
     return result
 
 
-def fidelity(duration_s: float) -> dict[str, dict]:
+def fidelity(duration_s: float, seed: int) -> dict[str, dict]:
+    """One workload seed of the default demo, run simulated and live: each run's summary."""
     from llmd import demo
     from llmd.metrics import read_requests, read_timeseries
     from llmd.report.summary import summarize_frames
@@ -86,7 +89,7 @@ def fidelity(duration_s: float) -> dict[str, dict]:
     spec = spec.model_copy(
         update={
             "engine": spec.engine.model_copy(update={"time_scale": FIDELITY_SCALE}),
-            "workload": spec.workload.model_copy(update={"time_scale": FIDELITY_SCALE}),
+            "workload": spec.workload.model_copy(update={"time_scale": FIDELITY_SCALE, "seed": seed}),
         }
     )
     out: dict[str, dict] = {}
@@ -103,6 +106,10 @@ def fidelity(duration_s: float) -> dict[str, dict]:
     return out
 
 
+# What the fidelity figures compare: each is the mean over the seeds' runs, simulated against live.
+_FIDELITY_KEYS = ("hit_share_gpu", "requests_per_min", "ttft_p50_s", "ttft_p90_s")
+
+
 def _err(sim: float, live: float) -> float:
     return abs(sim - live) / live * 100 if live else float("nan")
 
@@ -113,7 +120,11 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=TARGET_SIM_S, help="simulated seconds at 544 GPUs")
     ap.add_argument("--skip-live", action="store_true", help="only the 544-GPU run")
     ap.add_argument("--skip-scale", action="store_true", help="only the live-vs-simulated run")
+    ap.add_argument("--fidelity-seeds", type=int, default=3, help="workload seeds run live and simulated (>= 1)")
+    ap.add_argument("--fidelity-seed0", type=int, default=0, help="the first of those seeds (0: the demo's own)")
     args = ap.parse_args()
+    if args.fidelity_seeds < 1:
+        ap.error(f"--fidelity-seeds must be at least 1, got {args.fidelity_seeds}")
     os.environ.setdefault("PYTHONHASHSEED", "0")
     if not args.skip_scale:
         r = scale_run(args.agents, args.duration)
@@ -133,13 +144,21 @@ def main() -> None:
         report("peak_rss_mb", r["peak_rss_mb"], RSS_TARGET_MB, higher_is_better=False, fmt="{:.0f}")
     if not args.skip_live:
         t0 = time.perf_counter()
-        f = fidelity(FIDELITY_DURATION_S)
-        sim, live = f["sim"], f["live"]
-        for name in ("sim", "live"):
-            s = f[name]
-            info(name, f"{s['requests']} requests, hit share {s['hit_share']:.3f} (engines' GPU "
-                 f"{s['hit_share_gpu']:.3f}), TTFT p50 {s['ttft_p50_s'] * 1000:.0f} ms / p90 "
-                 f"{s['ttft_p90_s'] * 1000:.0f} ms")  # fmt: skip
+        # One live run is one draw of a noisy process (the live loop shares a core with the engines, the router and
+        # the agents): its TTFT p90 alone moved 1,621-2,105 ms over three runs of the same seed, wider than the 10%
+        # target. So the simulation and the live stack each run every seed, and their means are compared.
+        runs = [fidelity(FIDELITY_DURATION_S, args.fidelity_seed0 + k) for k in range(args.fidelity_seeds)]
+        for k, f in enumerate(runs):
+            for name in ("sim", "live"):
+                s = f[name]
+                info(f"{name}_seed{args.fidelity_seed0 + k}", f"{s['requests']} requests, hit share "
+                     f"{s['hit_share']:.3f} (engines' GPU {s['hit_share_gpu']:.3f}), TTFT p50 "
+                     f"{s['ttft_p50_s'] * 1000:.0f} ms / p90 {s['ttft_p90_s'] * 1000:.0f} ms")  # fmt: skip
+        sim = {key: statistics.fmean(f["sim"][key] for f in runs) for key in _FIDELITY_KEYS}
+        live = {key: statistics.fmean(f["live"][key] for f in runs) for key in _FIDELITY_KEYS}
+        for name, m in (("sim_mean", sim), ("live_mean", live)):
+            info(name, f"{m['requests_per_min']:.1f} requests/min, engines' GPU hit share {m['hit_share_gpu']:.3f}, "
+                 f"TTFT p50 {m['ttft_p50_s'] * 1000:.0f} ms / p90 {m['ttft_p90_s'] * 1000:.0f} ms")  # fmt: skip
         report("live_vs_sim_hit_err_pct", _err(sim["hit_share_gpu"], live["hit_share_gpu"]), 5.0, False, "{:.1f}")
         report("live_vs_sim_rpm_err_pct", _err(sim["requests_per_min"], live["requests_per_min"]), 5.0, False, "{:.1f}")
         ttft = max(_err(sim["ttft_p50_s"], live["ttft_p50_s"]), _err(sim["ttft_p90_s"], live["ttft_p90_s"]))
