@@ -145,7 +145,7 @@ def main() -> None:
     if not args.skip_live:
         t0 = time.perf_counter()
         # One live run is one draw of a noisy process (the live loop shares a core with the engines, the router and
-        # the agents): its TTFT p90 alone moved 1,621-2,105 ms over three runs of the same seed, wider than the 10%
+        # the agents): its TTFT p90 alone moved 1,621-2,105 ms over four runs of the same seed, wider than the 10%
         # target. So the simulation and the live stack each run every seed, and their means are compared.
         runs = [fidelity(FIDELITY_DURATION_S, args.fidelity_seed0 + k) for k in range(args.fidelity_seeds)]
         for k, f in enumerate(runs):

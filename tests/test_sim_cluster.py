@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from benchutil import load_benchmark
 
 from llmd.cli import main
 from llmd.demo import embedded_spec
@@ -322,3 +323,16 @@ def test_simulation_agrees_with_the_live_demo() -> None:
     assert err(sim.hit_share_gpu, live.hit_share_gpu) <= 0.05, (sim.hit_share_gpu, live.hit_share_gpu)
     assert err(sim.ttft_p50_s, live.ttft_p50_s) <= 0.3, (sim.ttft_p50_s, live.ttft_p50_s)
     assert err(sim.ttft_p90_s, live.ttft_p90_s) <= 0.4, (sim.ttft_p90_s, live.ttft_p90_s)
+
+
+def test_cluster_sim_benchmark_refuses_fewer_than_one_fidelity_seed_before_running(monkeypatch, capsys) -> None:
+    bench = load_benchmark("cluster_sim")
+    ran: list[str] = []
+    monkeypatch.setattr(bench, "scale_run", lambda *a: ran.append("scale"))
+    monkeypatch.setattr(bench, "fidelity", lambda *a: ran.append("fidelity"))
+    monkeypatch.setattr("sys.argv", ["cluster_sim.py", "--fidelity-seeds", "0"])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2
+    assert "--fidelity-seeds must be at least 1, got 0" in capsys.readouterr().err
+    assert ran == []
