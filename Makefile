@@ -5,8 +5,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.stamp
-# The KV index core, compiled by `pip install -e .` (setup.py): a change to it reinstalls, which rebuilds it.
-NATIVE := setup.py llmd/kv/_kvnative.c
+# The compiled parts (the KV index core, the simulated engine's block pool), built by `pip install -e .` (setup.py):
+# a change to one reinstalls, which rebuilds them.
+NATIVE := setup.py llmd/kv/_kvnative.c llmd/engines/sim/_blockpool.c
 
 .PHONY: demo test test-fast lint bench golden install install-full clean services-up services-down
 

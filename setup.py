@@ -1,6 +1,8 @@
-"""The one compiled part of llmd: the KV index's core (llmd/kv/_kvnative.c). Everything else is in pyproject.toml.
+"""llmd's compiled parts: the KV index's core (llmd/kv/_kvnative.c) and the simulated engine's GPU block pool
+(llmd/engines/sim/_blockpool.c). Everything else is in pyproject.toml.
 
-`pip install -e .` builds it; without a compiler llmd still works on the pure-Python index (llmd/kv/pyindex.py)."""
+`pip install -e .` builds them; without a compiler llmd still works on their pure-Python twins (llmd/kv/pyindex.py,
+llmd/engines/sim/block_pool.py)."""
 
 from setuptools import Extension, setup
 
@@ -11,6 +13,12 @@ setup(
             ["llmd/kv/_kvnative.c"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-function"],
             optional=True,
-        )
+        ),
+        Extension(
+            "llmd.engines.sim._blockpool",
+            ["llmd/engines/sim/_blockpool.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-function"],
+            optional=True,
+        ),
     ]
 )

@@ -1,17 +1,39 @@
-"""The engine core's block pool against a plain model of vLLM's free queue (a linked LRU list).
+"""The engine core's block pool against a plain model of vLLM's free queue (a linked LRU list), and its C pool
+against the Python one.
 
-KVCacheManager keeps its free queue lazily (stamped segments, stale entries skipped or compacted away); whatever it
-does inside, the order blocks are handed out and evicted in must be the linked list's, over many hits and frees.
+The Python pool keeps its free queue lazily (stamped segments, stale entries skipped or compacted away), the C pool as
+a linked list; whatever each does inside, the order blocks are handed out and evicted in must be the linked list's,
+over many hits and frees, and the two pools must agree call for call.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections import OrderedDict
 
+import pytest
+
+from llmd.engines.sim import block_pool, kv_cache
+from llmd.engines.sim.block_pool import NativeBlockPool, PyBlockPool
 from llmd.engines.sim.kv_cache import KVCacheManager
 from llmd.engines.sim.request import SimRequest
 from llmd.kv.hashing import BlockHasher
+
+# Without a compiler the C pool is not built and the simulated engine runs on the Python one; `make test` sets
+# LLMD_REQUIRE_NATIVE=1 so a build that silently failed there cannot pass as "skipped".
+if NativeBlockPool is None and os.environ.get("LLMD_REQUIRE_NATIVE") == "1":
+    raise RuntimeError("llmd.engines.sim._blockpool is not built (pip install -e . compiles it): see its output")
+needs_native = pytest.mark.skipif(NativeBlockPool is None, reason="llmd.engines.sim._blockpool is not built")
+POOLS = [pytest.param("python", id="python"), pytest.param("native", id="native", marks=needs_native)]
+
+
+@pytest.fixture
+def pool_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """KVCacheManagers made in the test use this pool."""
+    kind = request.param
+    monkeypatch.setattr(kv_cache, "make_pool", PyBlockPool if kind == "python" else NativeBlockPool)
+    return kind
 
 
 class LinkedQueue:
@@ -47,10 +69,11 @@ class LinkedQueue:
             self.q.move_to_end(b, last=False)
 
 
-def test_free_queue_order_matches_the_linked_list_through_hits_frees_and_compactions(monkeypatch) -> None:
+@pytest.mark.parametrize("pool_kind", POOLS, indirect=True)
+def test_free_queue_order_matches_the_linked_list_through_hits_frees_and_compactions(pool_kind, monkeypatch) -> None:
     compactions = []
-    compact = KVCacheManager._compact
-    monkeypatch.setattr(KVCacheManager, "_compact", lambda self: (compactions.append(1), compact(self)))
+    compact = PyBlockPool._compact
+    monkeypatch.setattr(PyBlockPool, "_compact", lambda self: (compactions.append(1), compact(self)))
     bs, n_blocks = 4, 40
     kv = KVCacheManager(n_blocks, bs)
     ref = LinkedQueue(n_blocks)
@@ -80,7 +103,7 @@ def test_free_queue_order_matches_the_linked_list_through_hits_frees_and_compact
         assert kv.free_queue == list(ref.q)
         assert kv.num_free_blocks == len(ref.q)
         kv.check_invariants(live)
-    assert len(compactions) > 3
+    assert len(compactions) > 3 if pool_kind == "python" else not compactions
 
 
 def _drive(kv: KVCacheManager, seed: int) -> list:
@@ -105,7 +128,8 @@ def _drive(kv: KVCacheManager, seed: int) -> list:
     return events
 
 
-def test_coalesced_events_carry_the_same_hashes_in_the_same_order_and_leave_the_index_the_same() -> None:
+@pytest.mark.parametrize("pool_kind", POOLS, indirect=True)
+def test_coalesced_events_carry_the_same_hashes_in_the_same_order_and_leave_the_index_the_same(pool_kind) -> None:
     from llmd.kv.events import BlockRemoved, BlockStored
     from llmd.kv.index import KVIndex
 
@@ -128,3 +152,68 @@ def test_coalesced_events_carry_the_same_hashes_in_the_same_order_and_leave_the_
     assert len(ix_a) == len(ix_b) > 0
     for h in every:
         assert ix_a.query([h]) == ix_b.query([h])
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_c_pool_answers_every_call_as_the_python_pool(seed: int) -> None:
+    """Random calls on both pools, hashes shared by several blocks and evictions among them: the same answers, the
+    same free queue, ref counts, block hashes and hash map after every call."""
+    rng = random.Random(seed)
+    n = 24
+    py, c = PyBlockPool(n), NativeBlockPool(n)
+    hashes = [bytes([i]) * rng.choice((8, 16, 32)) for i in range(12)] + [b"\x01\x02", b""]
+    held: list[list[int]] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35 and py.n_free:
+            k = rng.randint(1, min(5, py.n_free))
+            got = py.take(k)
+            assert c.take(k) == got
+            held.append(got[0])
+        elif op < 0.55 and held:
+            blocks = held[rng.randrange(len(held))]
+            hs = [rng.choice(hashes) for _ in blocks]
+            assert c.cache(blocks, hs) == py.cache(blocks, hs)
+        elif op < 0.7:
+            chain = [rng.choice(hashes) for _ in range(rng.randint(0, 6))]
+            m = rng.randint(0, 7)
+            hits = py.lookup(chain, m)
+            assert c.lookup(chain, m) == hits
+            assert c.num_evictable(hits) == py.num_evictable(hits)
+            if hits and rng.random() < 0.5:
+                py.touch(hits)
+                c.touch(hits)
+                held.append(list(hits))
+        elif held:
+            blocks = held.pop(rng.randrange(len(held)))
+            py.free_reversed(blocks)
+            c.free_reversed(blocks)
+        if rng.random() < 0.01 and py.n_free == n - 1:
+            py.clear_hashes()
+            c.clear_hashes()
+        assert c.n_free == py.n_free
+        assert c.free_queue() == py.free_queue()
+        assert c.ref_counts() == py.ref_counts()
+        assert c.hashes() == py.hashes()
+        assert c.cached == py.cached
+    assert block_pool.h64_list(hashes) == block_pool.py_h64_list(hashes)
+    cpu = OrderedDict.fromkeys(hashes[3:7])
+    for lo, hi in [(0, 9), (3, 9), (3, 5), (5, 3), (3, 99)]:
+        assert block_pool.run_in(cpu, hashes, lo, hi) == block_pool.py_run_in(cpu, hashes, lo, hi)
+
+
+@pytest.mark.parametrize("pool", [PyBlockPool, pytest.param(NativeBlockPool, marks=needs_native)])
+def test_a_pool_refuses_calls_that_would_corrupt_it(pool) -> None:
+    p = pool(4)
+    with pytest.raises(ValueError, match="cannot take 4 blocks: 3 are free"):
+        p.take(4)
+    blocks, _ = p.take(2)
+    p.free_reversed(blocks)
+    with pytest.raises(ValueError, match="freed more often than referenced"):
+        p.free_reversed([blocks[0]])
+    with pytest.raises(ValueError, match="num_blocks must be >= 2"):
+        pool(1)
+    if pool is NativeBlockPool:
+        with pytest.raises(IndexError, match="out of range"):
+            p.touch([0])

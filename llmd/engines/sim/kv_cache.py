@@ -15,16 +15,16 @@ single_type_kv_cache_manager.py (FullAttentionManager) of vLLM 0.32:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import compress, islice
 from typing import Any
 
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
+from .block_pool import MASK64, h64_list, make_pool, run_in
 from .request import SimRequest
 
-MASK64 = (1 << 64) - 1
 GPU = "GPU"
 CPU = "CPU"
 
@@ -34,7 +34,8 @@ def _h64(h: bytes) -> int:
 
 
 class KVCacheManager:
-    """GPU block pool + prefix cache (+ CPU tier). Block ids index parallel lists: cheaper than block objects."""
+    """GPU block pool + prefix cache (+ CPU tier), vLLM's KV events. The pool's per-block state is `self.pool`
+    (block_pool.py: in C where built)."""
 
     def __init__(
         self,
@@ -60,20 +61,8 @@ class KVCacheManager:
         # BlockStored, where vLLM publishes one event per block. A consumer that applies hashes in order (the router's
         # index) ends in the same state; the cluster simulator saves an event object and an index call per block.
         self.coalesce_events = coalesce_events
-        self.ref_cnt = [0] * num_gpu_blocks
-        self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
-        # The free queue (front evicted first), kept lazily: segments [stamp, next index, blocks] in queue order, one
-        # per free() (and its unhashed blocks in one at the front). A block is in the queue at the entry whose stamp
-        # is `_stamp[block]` while its ref count is 0: a prefix hit takes it out, and freeing it again moves it, by
-        # setting a number, where a linked queue costs a node operation per block each time. Stale entries are
-        # skipped when the front reaches them, or dropped when they pile up (_compact).
-        self._stamp = [0] * num_gpu_blocks
-        self._segs: deque[list[Any]] = deque([[0, 0, list(range(1, num_gpu_blocks))]])
-        self._next_stamp = 1
-        self._n_free = num_gpu_blocks - 1
-        self._entries = num_gpu_blocks - 1  # unread segment entries, valid or stale
-        # hash -> block id, or {block id: None} when several blocks hold the same hash (rare; first one serves hits).
-        self.cached: dict[bytes, int | dict[int, None]] = {}
+        self.pool = make_pool(num_gpu_blocks)  # ref counts, free queue, hashes, hash map (block_pool.py)
+        self.cached = self.pool.cached
         self.events: list[KVCacheEvent] = []
 
         self.cpu_capacity = num_cpu_blocks
@@ -99,24 +88,27 @@ class KVCacheManager:
     # --- state ------------------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self._n_free
+        return self.pool.n_free
 
     @property
     def free_queue(self) -> list[int]:
         """The free blocks in eviction order (front first)."""
-        return list(self._iter_free())
+        return self.pool.free_queue()
 
-    def _iter_free(self) -> Iterator[int]:
-        ref_cnt, stamps = self.ref_cnt, self._stamp
-        for stamp, i, blocks in self._segs:
-            for b in blocks[i:]:
-                if ref_cnt[b] == 0 and stamps[b] == stamp:
-                    yield b
+    @property
+    def block_hash(self) -> list[bytes | None]:
+        """Each block's hash, None for an unhashed one (a copy: for tests and invariants)."""
+        return self.pool.hashes()
+
+    @property
+    def ref_cnt(self) -> list[int]:
+        """Each block's ref count (a copy)."""
+        return self.pool.ref_counts()
 
     @property
     def usage(self) -> float:
         """vLLM's kv_cache_usage_perc (a fraction): blocks held by requests, the null block excluded."""
-        return 1.0 - self._n_free / (self.num_gpu_blocks - 1)
+        return 1.0 - self.pool.n_free / (self.num_gpu_blocks - 1)
 
     @property
     def cpu_usage(self) -> float:
@@ -139,17 +131,10 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         max_blocks = min((req.num_tokens - 1) // bs, len(hashes))
-        # One lookup per block in C (map), past the first miss too: prompts mostly hit most of their blocks.
-        found = list(map(self.cached.get, hashes[:max_blocks] if max_blocks < len(hashes) else hashes))
-        n_gpu = found.index(None) if None in found else len(found)
-        blocks: list = found[:n_gpu]
-        if dict in set(map(type, blocks)):  # a hash held by several blocks: the first one serves the hit
-            blocks = [v if type(v) is int else next(iter(v)) for v in blocks]
-        j = n_gpu
+        blocks = self.pool.lookup(hashes, max_blocks)
+        n_gpu = j = len(blocks)
         if self.cpu_capacity and n_gpu < max_blocks:
-            # The CPU tier's run past the GPU hit, one C-level lookup per block as above.
-            in_cpu = list(map(self.cpu.__contains__, hashes[n_gpu:max_blocks]))
-            j += in_cpu.index(False) if False in in_cpu else len(in_cpu)
+            j += run_in(self.cpu, hashes, n_gpu, max_blocks)  # the CPU tier's run past the GPU hit
         if self.drop_last_hit_block and j > 0:
             if j > n_gpu:
                 j -= 1
@@ -215,21 +200,13 @@ class KVCacheManager:
         need = total + num_new_tokens
         n_new = (need + bs - 1) // bs - len(req.block_ids) - num_hit
         if n_new > 0 or num_hit:
-            ref_cnt = self.ref_cnt
+            pool = self.pool
             # A hit block sitting in the free queue leaves it when touched: it counts against the free blocks.
-            counts = list(map(ref_cnt.__getitem__, new_computed_blocks)) if num_hit else []
-            n_evictable = counts.count(0)
-            if max(n_new, 0) + n_evictable + reserved_blocks > self._n_free:
+            n_evictable = pool.num_evictable(new_computed_blocks) if num_hit else 0
+            if max(n_new, 0) + n_evictable + reserved_blocks > pool.n_free:
                 return False
             if num_hit:
-                # Taking a free block's reference takes it out of the free queue (its entry goes stale).
-                self._n_free -= n_evictable
-                if n_evictable == num_hit:
-                    for b in new_computed_blocks:
-                        ref_cnt[b] = 1
-                else:
-                    for b in new_computed_blocks:
-                        ref_cnt[b] += 1
+                pool.touch(new_computed_blocks)
                 req.block_ids.extend(new_computed_blocks)
                 req.num_cached_blocks = len(req.block_ids)
             if n_new > 0:
@@ -241,76 +218,16 @@ class KVCacheManager:
         return True
 
     def _get_new_blocks(self, n: int) -> list[int]:
-        """The first n blocks of the free queue, referenced once (the caller has checked there are n)."""
-        ref_cnt = self.ref_cnt
-        stamps = self._stamp
-        segs = self._segs
-        block_hash = self.block_hash
-        out: list[int] = []
-        need = n
-        while need:
-            seg = segs[0]
-            stamp, i, blocks = seg
-            start, m = i, len(blocks)
-            while i < m:
-                b = blocks[i]
-                i += 1
-                if ref_cnt[b] == 0 and stamps[b] == stamp:
-                    ref_cnt[b] = 1
-                    out.append(b)
-                    need -= 1
-                    if not need:
-                        break
-            self._entries -= i - start
-            if i >= m:
-                segs.popleft()
+        """The first n blocks of the free queue, referenced once (the caller has checked there are n); those that
+        still held a hash are evicted, published in the order handed out."""
+        out, evicted = self.pool.take(n)
+        if evicted:
+            self.gpu_evicted_blocks += len(evicted)
+            if self.coalesce_events:
+                self.events.append(BlockRemoved(evicted, GPU, 0))
             else:
-                seg[1] = i
-        self._n_free -= n
-        if self.coalesce_events:
-            hashed = [b for b in out if block_hash[b] is not None]
-            if hashed:
-                self._evict_all(hashed)
-            return out
-        for b in out:
-            h = block_hash[b]
-            if h is not None:
-                self._evict(b, h)  # in the order handed out, as one by one: BlockRemoved events in that order
+                self.events += [BlockRemoved([x], GPU, 0) for x in evicted]
         return out
-
-    def _evict_all(self, blocks: list[int]) -> None:
-        """_evict for each of `blocks` (all hashed), in order, published as one BlockRemoved."""
-        block_hash = self.block_hash
-        cached = self.cached
-        hashes = [block_hash[b] for b in blocks]
-        for b, h in zip(blocks, hashes, strict=True):
-            v = cached.get(h)
-            if v is not None:
-                if type(v) is int:
-                    if v == b:
-                        del cached[h]
-                else:
-                    v.pop(b, None)
-                    if len(v) == 1:
-                        cached[h] = next(iter(v))
-            block_hash[b] = None
-        self.gpu_evicted_blocks += len(blocks)
-        from_bytes = int.from_bytes
-        self.events.append(BlockRemoved([from_bytes(h, "big") & MASK64 for h in hashes], GPU, 0))  # type: ignore[arg-type]
-
-    def _evict(self, b: int, h: bytes) -> None:
-        v = self.cached.get(h)
-        if v is not None:
-            if type(v) is int:
-                if v == b:
-                    del self.cached[h]
-            else:
-                v.pop(b, None)
-                if len(v) == 1:
-                    self.cached[h] = next(iter(v))
-        self.block_hash[b] = None
-        self.gpu_evicted_blocks += 1
-        self.events.append(BlockRemoved([int.from_bytes(h, "big") & MASK64], GPU, 0))
 
     def cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
         """Caches the request's full blocks up to `num_tokens` and publishes them in one BlockStored."""
@@ -322,27 +239,7 @@ class KVCacheManager:
         hashes = req.block_hashes
         new_hashes = hashes[start:n_full]
         new_blocks = req.block_ids[start:n_full]
-        cached = self.cached
-        block_hash = self.block_hash
-        if not any(map(block_hash.__getitem__, new_blocks)) and cached.keys().isdisjoint(new_hashes):
-            # The usual case, fresh blocks with hashes not cached elsewhere: the map in one C call.
-            cached.update(zip(new_hashes, new_blocks, strict=True))
-            for b, h in zip(new_blocks, new_hashes, strict=True):
-                block_hash[b] = h
-        else:
-            for b, h in zip(new_blocks, new_hashes, strict=True):
-                if block_hash[b] is None:
-                    block_hash[b] = h
-                    v = cached.get(h)
-                    if v is None:
-                        cached[h] = b
-                    elif type(v) is int:
-                        if v != b:
-                            cached[h] = {v: None, b: None}
-                    else:
-                        v[b] = None
-        from_bytes = int.from_bytes
-        ev_hashes = [from_bytes(h, "big") & MASK64 for h in new_hashes]  # _h64, without a call per block
+        ev_hashes = self.pool.cache(new_blocks, new_hashes)  # each one's 64-bit form, for the events
         salt = req.cache_salt
         extra_keys: list[tuple[Any, ...] | None] = [None] * (n_full - start)
         if salt and start == 0:
@@ -380,53 +277,13 @@ class KVCacheManager:
         req.block_ids = []
         req.num_cached_blocks = 0
         if blocks:
-            self.free_blocks(reversed(blocks))
-
-    def free_blocks(self, ordered: Any) -> None:
-        ref_cnt = self.ref_cnt
-        block_hash = self.block_hash
-        stamps = self._stamp
-        stamp = self._next_stamp
-        self._next_stamp = stamp + 1
-        first: list[int] = []
-        tail: list[int] = []
-        for b in ordered:
-            rc = ref_cnt[b] - 1
-            ref_cnt[b] = rc
-            if rc == 0:
-                stamps[b] = stamp
-                if block_hash[b] is None:
-                    first.append(b)
-                else:
-                    tail.append(b)  # cached blocks join the tail: least recently used goes first
-        if tail:
-            self._segs.append([stamp, 0, tail])
-        if first:
-            # Unhashed blocks can never serve a hit: at the head, in order, to be reused first.
-            self._segs.appendleft([stamp, 0, first])
-        n = len(first) + len(tail)
-        self._n_free += n
-        self._entries += n
-        if self._entries > 2 * self.num_gpu_blocks:
-            self._compact()
-
-    def _compact(self) -> None:
-        """The free queue as one segment of its valid entries: stale ones (blocks hit or freed again since) go."""
-        blocks = list(self._iter_free())
-        stamp = self._next_stamp
-        self._next_stamp = stamp + 1
-        stamps = self._stamp
-        for b in blocks:
-            stamps[b] = stamp
-        self._segs = deque([[stamp, 0, blocks]])
-        self._entries = len(blocks)
+            self.pool.free_reversed(blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached hash and publishes AllBlocksCleared; refused (False) while any block is in use."""
-        if self._n_free != self.num_gpu_blocks - 1:
+        if self.pool.n_free != self.num_gpu_blocks - 1:
             return False
-        self.cached.clear()
-        self.block_hash = [None] * self.num_gpu_blocks
+        self.pool.clear_hashes()
         self.events.append(AllBlocksCleared())
         return True
 
@@ -469,7 +326,7 @@ class KVCacheManager:
                     victims = [h for h in victims if h not in protected][:n_evict]
                 for h in victims:
                     del cpu[h]
-                evicted = [_h64(h) for h in victims]
+                evicted = h64_list(victims)
                 self.cpu_evicted_blocks += len(evicted)
                 events.append(BlockRemoved(evicted, CPU, 0))
             if metas is None:
@@ -506,16 +363,17 @@ class KVCacheManager:
             for b in r.block_ids:
                 expect[b] += 1
         assert expect[0] == 0, "the null block was handed out"
-        assert expect == self.ref_cnt, "ref counts disagree with the requests holding blocks"
+        assert expect == self.pool.ref_counts(), "ref counts disagree with the requests holding blocks"
         free = {b for b in range(1, self.num_gpu_blocks) if expect[b] == 0}
         queue = self.free_queue
-        assert len(queue) == len(set(queue)) == self._n_free, "free queue holds a block twice or miscounts"
+        assert len(queue) == len(set(queue)) == self.pool.n_free, "free queue holds a block twice or miscounts"
         assert free == set(queue), "free queue disagrees with ref counts"
+        block_hash = self.pool.hashes()
         for h, v in self.cached.items():
             ids = [v] if type(v) is int else list(v)
             for b in ids:
-                assert self.block_hash[b] == h, "cached map points at a block with another hash"
-        n_hashed = sum(1 for h in self.block_hash if h is not None)
+                assert block_hash[b] == h, "cached map points at a block with another hash"
+        n_hashed = sum(1 for h in block_hash if h is not None)
         n_mapped = sum(1 if type(v) is int else len(v) for v in self.cached.values())
         assert n_hashed == n_mapped, "hashed blocks and cache map entries differ"
         assert len(self.cpu) <= self.cpu_capacity
