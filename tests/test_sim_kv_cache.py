@@ -15,7 +15,7 @@ from collections import OrderedDict
 import pytest
 
 from llmd.engines.sim import block_pool, kv_cache
-from llmd.engines.sim.block_pool import NativeBlockPool, PyBlockPool
+from llmd.engines.sim.block_pool import NativeBlockPool, NativeCpuTier, PyBlockPool, PyCpuTier
 from llmd.engines.sim.kv_cache import KVCacheManager
 from llmd.engines.sim.request import SimRequest
 from llmd.kv.hashing import BlockHasher
@@ -33,6 +33,7 @@ def pool_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """KVCacheManagers made in the test use this pool."""
     kind = request.param
     monkeypatch.setattr(kv_cache, "make_pool", PyBlockPool if kind == "python" else NativeBlockPool)
+    monkeypatch.setattr(kv_cache, "make_cpu_tier", PyCpuTier if kind == "python" else NativeCpuTier)
     return kind
 
 
@@ -217,3 +218,48 @@ def test_a_pool_refuses_calls_that_would_corrupt_it(pool) -> None:
     if pool is NativeBlockPool:
         with pytest.raises(IndexError, match="out of range"):
             p.touch([0])
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_c_cpu_tier_answers_every_call_as_the_python_tier(seed: int) -> None:
+    """Store jobs with hashes already held (protected from eviction), repeated within a job, or more than the tier
+    holds; touches and runs: the same answers and the same LRU order after every call, also past many evictions
+    (the C tier's table deletes by shifting entries back)."""
+    rng = random.Random(seed)
+    cap = rng.choice((5, 17, 64))
+    py, c = PyCpuTier(cap), NativeCpuTier(cap)
+    universe = [rng.randbytes(rng.choice((8, 16, 32))) for _ in range(4 * cap)]
+    for _ in range(4000):
+        op = rng.random()
+        if op < 0.6:
+            job = [rng.choice(universe) for _ in range(rng.randint(0, cap + 3))]
+            assert c.store(job) == py.store(job)
+        elif op < 0.8:
+            hs = [rng.choice(universe) for _ in range(rng.randint(0, 8))]
+            lo, hi = rng.randint(0, 4), rng.randint(0, 9)
+            assert c.run(hs, lo, hi) == py.run(hs, lo, hi)
+            c.touch(hs[lo:hi])
+            py.touch(hs[lo:hi])
+        else:
+            h = rng.choice(universe)
+            assert (h in c) == (h in py)
+        assert len(c) == len(py) <= cap
+        assert c.keys() == py.keys()
+    assert all((h in c) == (h in py) for h in universe)
+
+
+@pytest.mark.parametrize("tier", [PyCpuTier, pytest.param(NativeCpuTier, marks=needs_native)])
+def test_a_store_job_passes_over_its_own_held_blocks_and_one_that_cannot_make_room_is_dropped(tier) -> None:
+    a, b, c, d, e = (bytes([i]) * 8 for i in range(1, 6))
+    t = tier(3)
+    assert t.store([a, b, c]) == (None, [])
+    # b is held and in the job: the victims are a and c (least recently used first), not b
+    assert t.store([b, d, e]) == ([1, 2], [int.from_bytes(a, "big"), int.from_bytes(c, "big")])
+    assert t.keys() == [b, d, e]
+    assert t.store([b, d]) is None  # nothing new
+    assert t.store([a, c, b"\x09" * 8, b"\x0a" * 8]) is None  # 4 new blocks never fit 3
+    assert t.store([b, d, a, c]) is None  # b and d stay: e alone cannot make room for two (vLLM: no store)
+    assert t.keys() == [b, d, e]
+    t.touch([b])
+    assert t.keys() == [d, e, b] and t.run([d, e, a], 0, 3) == 2

@@ -1,4 +1,5 @@
-/* The simulated engine's GPU block pool in C: what block_pool.py's PyBlockPool does, with the same results.
+/* The simulated engine's GPU block pool and CPU tier in C: what block_pool.py's PyBlockPool and PyCpuTier do, with
+ * the same results.
  *
  * Why: the pool's work is per block (a 195K-token context is ~3,000 blocks of 64 tokens, freed and re-referenced
  * every turn), and at 544 engine ranks Python's per-block loops were a quarter of the cluster simulator's time.
@@ -431,6 +432,346 @@ static PyTypeObject PoolType = {
     .tp_getset = Pool_getset,
 };
 
+/* ---- the CPU tier ---------------------------------------------------------------------------------------------- */
+
+/* vLLM's CPU offload tier as an LRU set of block hashes: `cap` slots, each holding a hash (bytes), linked in LRU order
+ * through `prev`/`next` (sentinel at index cap: next[cap] is the least recently used); an open-addressing table of
+ * slot + 1 (0: empty, linear probing, backward-shift deletion) finds a hash's slot. ~32 bytes a block where an
+ * OrderedDict costs ~90: 544 ranks' tiers of 39K blocks each. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t cap, len, hwm; /* slots, slots in use, slots ever used (the rest never touched) */
+    PyObject **key;
+    int32_t *prev, *next;
+    int32_t *table;
+    size_t mask;
+    int32_t *spare; /* slots freed by eviction, reused first */
+    Py_ssize_t n_spare;
+    unsigned char *mark; /* store(): the job's hashes already in the tier, which eviction must pass over */
+} Tier;
+
+static inline size_t tier_home(Tier *t, PyObject *k, int *err) {
+    Py_hash_t hv = PyObject_Hash(k);
+    if (hv == -1) {
+        *err = 1;
+        return 0;
+    }
+    return (size_t)hv & t->mask;
+}
+
+/* The table index holding h's slot, or -1 if absent; -2 on error. */
+static Py_ssize_t tier_find(Tier *t, PyObject *h) {
+    int err = 0;
+    size_t i = tier_home(t, h, &err);
+    if (err) return -2;
+    for (;;) {
+        int32_t s = t->table[i];
+        if (s == 0) return -1;
+        PyObject *k = t->key[s - 1];
+        if (k == h) return (Py_ssize_t)i;
+        if (PyBytes_CheckExact(k) && PyBytes_CheckExact(h)) {
+            if (PyBytes_GET_SIZE(k) == PyBytes_GET_SIZE(h) &&
+                memcmp(PyBytes_AS_STRING(k), PyBytes_AS_STRING(h), (size_t)PyBytes_GET_SIZE(h)) == 0)
+                return (Py_ssize_t)i;
+        } else {
+            int eq = PyObject_RichCompareBool(k, h, Py_EQ);
+            if (eq < 0) return -2;
+            if (eq) return (Py_ssize_t)i;
+        }
+        i = (i + 1) & t->mask;
+    }
+}
+
+static inline void tier_link_back(Tier *t, int32_t s) {
+    int32_t S = (int32_t)t->cap, p = t->prev[S];
+    t->next[p] = s;
+    t->prev[s] = p;
+    t->next[s] = S;
+    t->prev[S] = s;
+}
+
+static inline void tier_unlink(Tier *t, int32_t s) {
+    int32_t p = t->prev[s], q = t->next[s];
+    t->next[p] = q;
+    t->prev[q] = p;
+}
+
+/* Empties table index i (backward-shift deletion keeps every other entry reachable from its home). */
+static int tier_table_delete(Tier *t, size_t i) {
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & t->mask;
+        int32_t s = t->table[j];
+        if (s == 0) break;
+        int err = 0;
+        size_t k = tier_home(t, t->key[s - 1], &err);
+        if (err) return -1;
+        /* the entry at j may move to i unless its home lies cyclically in (i, j] */
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            t->table[i] = s;
+            i = j;
+        }
+    }
+    t->table[i] = 0;
+    return 0;
+}
+
+static int tier_insert(Tier *t, PyObject *h) {
+    int32_t s = t->n_spare ? t->spare[--t->n_spare] : (int32_t)t->hwm++;
+    int err = 0;
+    size_t i = tier_home(t, h, &err);
+    if (err) return -1;
+    while (t->table[i] != 0) i = (i + 1) & t->mask;
+    t->table[i] = s + 1;
+    Py_INCREF(h);
+    t->key[s] = h;
+    tier_link_back(t, s);
+    t->len++;
+    return 0;
+}
+
+static void Tier_dealloc(Tier *t) {
+    if (t->key != NULL) {
+        for (Py_ssize_t i = 0; i < t->hwm; i++) Py_XDECREF(t->key[i]);
+    }
+    PyMem_Free(t->key);
+    PyMem_Free(t->prev);
+    PyMem_Free(t->next);
+    PyMem_Free(t->table);
+    PyMem_Free(t->spare);
+    PyMem_Free(t->mark);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int Tier_init(Tier *t, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"capacity", NULL};
+    Py_ssize_t cap;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n", kwlist, &cap)) return -1;
+    if (cap < 0 || cap > (INT32_MAX - 2) / 2) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be >= 0 and fit 30 bits");
+        return -1;
+    }
+    if (t->key != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "CpuTier is already initialised");
+        return -1;
+    }
+    size_t size = 8;
+    while (size < 2 * (size_t)cap) size <<= 1;
+    t->cap = cap;
+    t->mask = size - 1;
+    /* calloc: pages of slots never used stay untouched (a tier fills as the run goes) */
+    t->key = PyMem_Calloc((size_t)cap + 1, sizeof(PyObject *));
+    t->prev = PyMem_Calloc((size_t)cap + 1, sizeof(int32_t));
+    t->next = PyMem_Calloc((size_t)cap + 1, sizeof(int32_t));
+    t->table = PyMem_Calloc(size, sizeof(int32_t));
+    t->spare = PyMem_Calloc((size_t)cap + 1, sizeof(int32_t));
+    t->mark = PyMem_Calloc((size_t)cap + 1, 1);
+    if (!t->key || !t->prev || !t->next || !t->table || !t->spare || !t->mark) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->prev[cap] = t->next[cap] = (int32_t)cap;
+    return 0;
+}
+
+static Py_ssize_t Tier_len(Tier *t) { return t->len; }
+
+static int Tier_contains(Tier *t, PyObject *h) {
+    Py_ssize_t i = tier_find(t, h);
+    return i == -2 ? -1 : i >= 0;
+}
+
+static PyObject *Tier_run(Tier *t, PyObject *args) {
+    PyObject *hashes;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "Onn", &hashes, &start, &stop)) return NULL;
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    if (stop > m) stop = m;
+    if (start < 0) start = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t i = start;
+    for (; i < stop; i++) {
+        Py_ssize_t f = tier_find(t, items[i]);
+        if (f == -2) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (f < 0) break;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(i > start ? i - start : 0);
+}
+
+static PyObject *Tier_touch(Tier *t, PyObject *hashes) {
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Py_ssize_t f = tier_find(t, items[i]);
+        if (f == -2) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (f >= 0) {
+            int32_t s = t->table[f] - 1;
+            tier_unlink(t, s);
+            tier_link_back(t, s);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* One store job (the offloading connector's prepare_store + complete_store): hashes already in the tier are skipped
+ * (and protected from eviction); LRU victims make room; a job that cannot make room (its new blocks exceed what the
+ * tier holds besides its protected ones) is dropped, as vLLM's prepare_store returns None.
+ * None: nothing stored. Else (kept, evicted): the job's indices stored (None: all of them), the victims' 64-bit
+ * hashes in eviction order. */
+static PyObject *Tier_store(Tier *t, PyObject *hashes) {
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq), n_new = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *kept = NULL, *evicted = NULL, *result = NULL;
+    int32_t S = (int32_t)t->cap;
+    char *present = PyMem_Calloc((size_t)m + 1, 1);
+    if (present == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Py_ssize_t f = tier_find(t, items[i]);
+        if (f == -2) goto done;
+        if (f >= 0) {
+            present[i] = 1;
+            t->mark[t->table[f] - 1] = 1;
+        } else {
+            n_new++;
+        }
+    }
+    Py_ssize_t n_evict = t->len + n_new - t->cap;
+    if (n_new == 0 || (n_evict > 0 && n_new > t->cap)) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
+    if (n_evict > 0) {
+        /* vLLM stores none of a job when its own held blocks leave too few others to evict */
+        Py_ssize_t avail = 0;
+        for (int32_t s = t->next[S]; avail < n_evict && s != S; s = t->next[s]) avail += !t->mark[s];
+        if (avail < n_evict) {
+            result = Py_None;
+            Py_INCREF(result);
+            goto done;
+        }
+    }
+    evicted = PyList_New(0);
+    if (evicted == NULL) goto done;
+    for (int32_t s = t->next[S]; n_evict > 0 && s != S;) {
+        int32_t nxt = t->next[s];
+        if (!t->mark[s]) {
+            PyObject *k = t->key[s];
+            Py_ssize_t f = tier_find(t, k);
+            PyObject *x = h64_of(k);
+            if (f < 0 || x == NULL || PyList_Append(evicted, x) < 0 || tier_table_delete(t, (size_t)f) < 0) {
+                Py_XDECREF(x);
+                if (f == -1) PyErr_SetString(PyExc_RuntimeError, "CPU tier table lost a hash");
+                goto done;
+            }
+            Py_DECREF(x);
+            tier_unlink(t, s);
+            t->key[s] = NULL;
+            Py_DECREF(k);
+            t->spare[t->n_spare++] = s;
+            t->len--;
+            n_evict--;
+        }
+        s = nxt;
+    }
+    if (n_new < m) {
+        kept = PyList_New(0);
+        if (kept == NULL) goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (present[i]) continue;
+        if (kept != NULL) {
+            PyObject *ix = PyLong_FromSsize_t(i);
+            int rc = ix == NULL ? -1 : PyList_Append(kept, ix);
+            Py_XDECREF(ix);
+            if (rc < 0) goto done;
+        }
+        Py_ssize_t f = tier_find(t, items[i]);
+        if (f == -2) goto done;
+        if (f >= 0) continue; /* a hash twice in one job: stored once, where it first came */
+        if (tier_insert(t, items[i]) < 0) goto done;
+    }
+    result = Py_BuildValue("(OO)", kept != NULL ? kept : Py_None, evicted);
+done:
+    if (present != NULL) {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (!present[i]) continue;
+            Py_ssize_t f = tier_find(t, items[i]);
+            if (f >= 0) t->mark[t->table[f] - 1] = 0;
+        }
+        PyMem_Free(present);
+    }
+    Py_XDECREF(kept);
+    Py_XDECREF(evicted);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *Tier_keys(Tier *t, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(t->len);
+    if (out == NULL) return NULL;
+    int32_t S = (int32_t)t->cap;
+    Py_ssize_t i = 0;
+    for (int32_t s = t->next[S]; s != S && i < t->len; s = t->next[s], i++) {
+        Py_INCREF(t->key[s]);
+        PyList_SET_ITEM(out, i, t->key[s]);
+    }
+    return out;
+}
+
+static PyObject *Tier_get_capacity(Tier *t, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(t->cap); }
+
+static PyMethodDef Tier_methods[] = {
+    {"run", (PyCFunction)Tier_run, METH_VARARGS,
+     "run(hashes, start, stop) -> how many of hashes[start:stop], from the first, the tier holds"},
+    {"touch", (PyCFunction)Tier_touch, METH_O, "makes each held hash the most recently used, in order"},
+    {"store", (PyCFunction)Tier_store, METH_O,
+     "store(hashes) -> None (nothing stored) or (indices stored, None for all; evicted 64-bit hashes)"},
+    {"keys", (PyCFunction)Tier_keys, METH_NOARGS, "the held hashes, least recently used first"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Tier_getset[] = {
+    {"capacity", (getter)Tier_get_capacity, NULL, "blocks the tier holds at most", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods Tier_as_sequence = {
+    .sq_length = (lenfunc)Tier_len,
+    .sq_contains = (objobjproc)Tier_contains,
+};
+
+static PyTypeObject TierType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmd.engines.sim._blockpool.CpuTier",
+    .tp_basicsize = sizeof(Tier),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "vLLM's CPU offload tier: an LRU set of block hashes of fixed capacity",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Tier_init,
+    .tp_dealloc = (destructor)Tier_dealloc,
+    .tp_methods = Tier_methods,
+    .tp_getset = Tier_getset,
+    .tp_as_sequence = &Tier_as_sequence,
+};
+
 /* ---- module functions ------------------------------------------------------------------------------------------- */
 
 static PyObject *mod_h64_list(PyObject *Py_UNUSED(m), PyObject *hashes) {
@@ -486,12 +827,18 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__blockpool(void) {
-    if (PyType_Ready(&PoolType) < 0) return NULL;
+    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&TierType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     Py_INCREF(&PoolType);
     if (PyModule_AddObject(m, "BlockPool", (PyObject *)&PoolType) < 0) {
         Py_DECREF(&PoolType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&TierType);
+    if (PyModule_AddObject(m, "CpuTier", (PyObject *)&TierType) < 0) {
+        Py_DECREF(&TierType);
         Py_DECREF(m);
         return NULL;
     }

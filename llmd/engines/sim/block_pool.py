@@ -1,9 +1,12 @@
-"""The GPU block pool under KVCacheManager: ref counts, vLLM's LRU free queue, each block's hash and the hash -> block
-map. Two implementations with the same results: the C one (`_blockpool.c`, built by `pip install -e .`) and
-`PyBlockPool` here, where it is not built or `LLMD_BLOCK_POOL_PURE_PYTHON=1`.
+"""The block stores under KVCacheManager: the GPU block pool (ref counts, vLLM's LRU free queue, each block's hash and
+the hash -> block map) and the CPU tier (an LRU set of block hashes). Two implementations of each with the same
+results: the C ones (`_blockpool.c`, built by `pip install -e .`) and `PyBlockPool`/`PyCpuTier` here, where it is not
+built or `LLMD_BLOCK_POOL_PURE_PYTHON=1`.
 
-Why in C: the pool's work is per block (a 195K-token context is ~3,000 blocks of 64 tokens, each referenced and freed
-again every turn); at 544 engine ranks Python's per-block loops were a quarter of the cluster simulator's time.
+Why in C: their work is per block (a 195K-token context is ~3,000 blocks of 64 tokens, each referenced and freed
+again every turn, and every block a P/D hand-off lands is written through to the CPU tier); at 544 engine ranks
+Python's per-block loops were a third of the cluster simulator's time, and 544 tiers of 39K blocks as OrderedDicts
+~1.8 GB (~32 bytes a block in C).
 
 The queue's order is vLLM's FreeKVCacheBlockQueue (tests/test_sim_kv_cache.py holds both to a plain linked list):
 `take` hands out the front; `free_reversed` returns a request's blocks tail first, hashed ones to the back, unhashed
@@ -13,8 +16,9 @@ ones (which can never serve a hit) to the front in order; `touch` on a free bloc
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from typing import Any, Protocol
 
 MASK64 = (1 << 64) - 1
@@ -36,6 +40,17 @@ class BlockPoolLike(Protocol):
     def ref_counts(self) -> list[int]: ...
     def hashes(self) -> list[bytes | None]: ...
     def clear_hashes(self) -> None: ...
+
+
+class CpuTierLike(Protocol):
+    capacity: int
+
+    def __len__(self) -> int: ...
+    def __contains__(self, h: object) -> bool: ...
+    def run(self, hashes: Sequence[bytes], start: int, stop: int) -> int: ...
+    def touch(self, hashes: Sequence[bytes]) -> None: ...
+    def store(self, hashes: Sequence[bytes]) -> tuple[list[int] | None, list[int]] | None: ...
+    def keys(self) -> list[bytes]: ...
 
 
 def py_h64_list(hashes: Sequence[bytes]) -> list[int]:
@@ -233,13 +248,68 @@ class PyBlockPool:
         self.block_hash = [None] * self.num_blocks
 
 
+class PyCpuTier:
+    """The CPU tier in Python: an OrderedDict of hashes, least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._lru
+
+    def run(self, hashes: Sequence[bytes], start: int, stop: int) -> int:
+        return py_run_in(self._lru, hashes, max(start, 0), stop)  # type: ignore[arg-type]
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        lru = self._lru
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+
+    def store(self, hashes: Sequence[bytes]) -> tuple[list[int] | None, list[int]] | None:
+        """One store job: see _blockpool.c's CpuTier.store."""
+        lru = self._lru
+        kept: list[int] | None = None
+        new = hashes
+        if not lru.keys().isdisjoint(hashes):
+            kept = [i for i, h in enumerate(hashes) if h not in lru]
+            new = [hashes[i] for i in kept]
+        n_new = len(new)
+        n_evict = len(lru) + n_new - self.capacity
+        if not n_new or (n_evict > 0 and n_new > self.capacity):
+            return None
+        victims: list[bytes] = []
+        if n_evict > 0:
+            # The job's hashes already in the tier must stay (vLLM protects them): look past at most those.
+            victims = list(islice(lru, n_evict + len(hashes) - n_new))
+            if kept is not None:
+                protected = set(hashes)
+                victims = [h for h in victims if h not in protected][:n_evict]
+                if len(victims) < n_evict:
+                    return None  # the job's own held blocks leave too little to evict: vLLM stores none of it
+            for h in victims:
+                del lru[h]
+        lru.update(dict.fromkeys(new))
+        return kept, py_h64_list(victims)
+
+    def keys(self) -> list[bytes]:
+        return list(self._lru)
+
+
 try:
     if os.environ.get("LLMD_BLOCK_POOL_PURE_PYTHON") == "1":
         raise ImportError("LLMD_BLOCK_POOL_PURE_PYTHON=1")
     from llmd.engines.sim._blockpool import BlockPool as NativeBlockPool
+    from llmd.engines.sim._blockpool import CpuTier as NativeCpuTier
     from llmd.engines.sim._blockpool import h64_list, run_in
-except ImportError:  # no compiler where llmd was installed (or asked not to): the pure-Python pool serves
-    NativeBlockPool = None
+except ImportError:  # no compiler where llmd was installed (or asked not to): the pure-Python ones serve
+    NativeBlockPool = NativeCpuTier = None
     h64_list, run_in = py_h64_list, py_run_in
 
 
@@ -250,4 +320,23 @@ def make_pool(num_blocks: int) -> BlockPoolLike:
     return PyBlockPool(num_blocks)
 
 
-__all__ = ["MASK64", "BlockPoolLike", "NativeBlockPool", "PyBlockPool", "h64_list", "make_pool", "run_in"]
+def make_cpu_tier(capacity: int) -> CpuTierLike:
+    """The C tier where it is built, else the Python one."""
+    if NativeCpuTier is not None:
+        return NativeCpuTier(capacity)  # type: ignore[no-any-return]
+    return PyCpuTier(capacity)
+
+
+__all__ = [
+    "MASK64",
+    "BlockPoolLike",
+    "CpuTierLike",
+    "NativeBlockPool",
+    "NativeCpuTier",
+    "PyBlockPool",
+    "PyCpuTier",
+    "h64_list",
+    "make_cpu_tier",
+    "make_pool",
+    "run_in",
+]

@@ -15,14 +15,12 @@ single_type_kv_cache_manager.py (FullAttentionManager) of vLLM 0.32:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import compress, islice
 from typing import Any
 
 from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-from .block_pool import MASK64, h64_list, make_pool, run_in
+from .block_pool import MASK64, make_cpu_tier, make_pool
 from .request import SimRequest
 
 GPU = "GPU"
@@ -67,8 +65,7 @@ class KVCacheManager:
 
         self.cpu_capacity = num_cpu_blocks
         self.cpu_self_describing = cpu_events_self_describing
-        # CPU tier: hash -> (parent hash, token ids) for self-describing events, else None. LRU order.
-        self.cpu: OrderedDict[bytes, tuple[bytes | None, list[int]] | None] = OrderedDict()
+        self.cpu = make_cpu_tier(num_cpu_blocks)  # the hashes it holds, LRU order (block_pool.py)
         # Store jobs of this step, written to the CPU tier after the step (write-through, as vLLM offloads): the
         # blocks' hashes, their event form, and (self-describing events) each one's (parent hash, token ids).
         self._cpu_jobs: list[tuple[list[bytes], list[int], list[tuple[bytes | None, list[int]]] | None]] = []
@@ -134,7 +131,7 @@ class KVCacheManager:
         blocks = self.pool.lookup(hashes, max_blocks)
         n_gpu = j = len(blocks)
         if self.cpu_capacity and n_gpu < max_blocks:
-            j += run_in(self.cpu, hashes, n_gpu, max_blocks)  # the CPU tier's run past the GPU hit
+            j += self.cpu.run(hashes, n_gpu, max_blocks)  # the CPU tier's run past the GPU hit
         if self.drop_last_hit_block and j > 0:
             if j > n_gpu:
                 j -= 1
@@ -143,9 +140,7 @@ class KVCacheManager:
                 n_gpu -= 1
                 j = n_gpu
         if j > n_gpu:
-            cpu = self.cpu
-            for h in hashes[n_gpu:j]:
-                cpu.move_to_end(h)  # a hit refreshes the CPU LRU
+            self.cpu.touch(hashes[n_gpu:j])  # a hit refreshes the CPU LRU
         return blocks, n_gpu * bs, (j - n_gpu) * bs
 
     def lookup_cached(self, block_hashes: Sequence[bytes]) -> int:
@@ -300,45 +295,28 @@ class KVCacheManager:
             return
         self._cpu_jobs = []
         cpu = self.cpu
-        cap = self.cpu_capacity
         events = self.events
         bs = self.block_size
-        for job_hashes, h64s, metas in jobs:
-            hashes = job_hashes
-            n_job = len(hashes)
-            if not cpu.keys().isdisjoint(hashes):
-                keep = [h not in cpu for h in hashes]
-                hashes = list(compress(hashes, keep))
-                h64s = list(compress(h64s, keep))
+        for hashes, h64s, metas in jobs:
+            stored = cpu.store(hashes)
+            if stored is None:
+                continue  # every block there already, or more new blocks than the whole tier
+            kept, evicted = stored
+            if kept is not None:  # some were there already
+                h64s = [h64s[i] for i in kept]
                 if metas is not None:
-                    metas = list(compress(metas, keep))
-                if not hashes:
-                    continue
-            n_new = len(hashes)
-            n_evict = len(cpu) + n_new - cap
-            if n_evict > 0:
-                if n_new > cap:
-                    continue
-                # The job's blocks already in the tier must stay (vLLM protects them): look past at most those.
-                victims = list(islice(cpu, n_evict + n_job - n_new))
-                if n_job > n_new:
-                    protected = set(job_hashes)
-                    victims = [h for h in victims if h not in protected][:n_evict]
-                for h in victims:
-                    del cpu[h]
-                evicted = h64_list(victims)
+                    metas = [metas[i] for i in kept]
+            if evicted:
                 self.cpu_evicted_blocks += len(evicted)
                 events.append(BlockRemoved(evicted, CPU, 0))
             if metas is None:
-                cpu.update(dict.fromkeys(hashes))
                 if self.coalesce_events:
                     events.append(BlockStored(h64s, None, [], 0, None, CPU, None, None, 0))
                 else:
                     events += [BlockStored([x], None, [], 0, None, CPU, None, None, 0) for x in h64s]
             else:
-                for h, x, meta in zip(hashes, h64s, metas, strict=True):
-                    cpu[h] = meta
-                    parent, tokens = meta  # vLLM defers extra keys on CPU events: published as None
+                for x, (parent, tokens) in zip(h64s, metas, strict=True):
+                    # vLLM defers extra keys on CPU events: published as None
                     events.append(
                         BlockStored(
                             [x],
@@ -353,7 +331,7 @@ class KVCacheManager:
                             self.spec_kind,
                         )
                     )
-            self.cpu_stored_blocks += n_new
+            self.cpu_stored_blocks += len(h64s)
 
     # --- invariants (tests) -----------------------------------------------------------------------------------------
     def check_invariants(self, live: Sequence[SimRequest]) -> None:
