@@ -5,9 +5,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.stamp
-# The compiled parts (the KV index core, the simulated engine's block pool), built by `pip install -e .` (setup.py):
-# a change to one reinstalls, which rebuilds them.
-NATIVE := setup.py llmd/kv/_kvnative.c llmd/engines/sim/_blockpool.c
+# The compiled parts (the KV index core, the simulated engine's block pool, the simulator's token runs), built by
+# `pip install -e .` (setup.py): a change to one reinstalls, which rebuilds them.
+NATIVE := setup.py llmd/kv/_kvnative.c llmd/engines/sim/_blockpool.c llmd/sim/_tokens.c
 
 .PHONY: demo test test-fast lint bench golden install install-full clean services-up services-down
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from llmd.errors import UserError
 from llmd.kv.hashing import BlockHasher
 from llmd.metrics import read_requests, read_timeseries
 from llmd.report.summary import summarize_frames
+from llmd.sim import tokens as sim_tokens
 from llmd.sim.context import ContextBuilder
 from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
@@ -31,6 +33,23 @@ def test_token_runs_slice_like_the_tokens_they_stand_for() -> None:
     assert list(t.prefix(320)) == whole[:320]
     assert t.extend(11, 5)[:400] == whole  # extending shares, never changes, what was there
     assert all(0 <= x < 50_000 for x in whole) and len(set(whole)) > 350  # random-looking text
+
+
+# Without a compiler the C token runs are not built and numpy serves; `make test` sets LLMD_REQUIRE_NATIVE=1 so a build
+# that silently failed there cannot pass as "skipped".
+if sim_tokens.native_run_tokens is None and os.environ.get("LLMD_REQUIRE_NATIVE") == "1":
+    raise RuntimeError("llmd.sim._tokens is not built (pip install -e . compiles llmd/sim/_tokens.c): see its output")
+
+
+@pytest.mark.skipif(sim_tokens.native_run_tokens is None, reason="llmd.sim._tokens is not built")
+@pytest.mark.parametrize("seed", [0, 7, 2**64 - 1, 2**70 + 3, -5])
+def test_c_token_runs_are_the_python_ones(seed: int) -> None:
+    native, py = sim_tokens.native_run_tokens, sim_tokens.py_run_tokens
+    for start, stop, vocab in [(0, 0, 10), (0, 5, 32_000), (3, 16, 7), (0, 17, 32_000), (10**9, 10**9 + 300, 151_552)]:
+        assert native(seed, start, stop, vocab) == py(seed, start, stop, vocab)  # numpy's path and the int one
+    assert native(seed, 9, 3, 50) == []
+    with pytest.raises(ValueError, match="vocab must be >= 1"):
+        native(seed, 0, 3, 0)
 
 
 def test_context_hashes_are_the_engines_block_hashes() -> None:

@@ -9,6 +9,7 @@ events of newly cached blocks), so the simulator pays per prefilled token, as th
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -26,7 +27,7 @@ _U30, _U27, _U31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _SMALL = 16
 
 
-def run_tokens(seed: int, start: int, stop: int, vocab: int) -> list[int]:
+def py_run_tokens(seed: int, start: int, stop: int, vocab: int) -> list[int]:
     """Tokens [start, stop) of run `seed`: splitmix64 of (seed, position) modulo the vocabulary (specials aside, a
     random-weight model's text)."""
     if stop - start <= _SMALL:
@@ -48,6 +49,15 @@ def run_tokens(seed: int, start: int, stop: int, vocab: int) -> list[int]:
     x ^= x >> _U31
     x %= np.uint64(vocab)
     return x.view(np.int64).tolist()  # < 2**63: the same values, and int64's tolist is a third faster than uint64's
+
+
+try:
+    if os.environ.get("LLMD_SIM_TOKENS_PURE_PYTHON") == "1":
+        raise ImportError("LLMD_SIM_TOKENS_PURE_PYTHON=1")
+    from llmd.sim._tokens import run_tokens as native_run_tokens
+except ImportError:  # no compiler where llmd was installed (or asked not to): numpy serves, the same values
+    native_run_tokens = None
+run_tokens = native_run_tokens or py_run_tokens
 
 
 class TokenRuns(Sequence[int]):
