@@ -11,6 +11,9 @@ single_type_kv_cache_manager.py (FullAttentionManager) of vLLM 0.32:
   its head (reused first); a prefix hit takes its blocks out of the free queue; eviction happens when a free block
   that still has a hash is handed out, one BlockRemoved per block;
 - the same hash may be cached in several blocks (a block-aligned prompt recomputes its last block), as in vLLM.
+
+The per-block state (GPU pool, CPU tier) lives in block_pool.py's stores, in C where built; this class holds what
+vLLM's managers decide with them: hits, allocation, caching, events and the prefix-cache counters.
 """
 
 from __future__ import annotations
