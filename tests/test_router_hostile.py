@@ -213,3 +213,26 @@ def test_a_node_address_binds_there_and_star_binds_everywhere(model_dir: Path) -
             assert listening(port) == {"0.0.0.0"}
 
     run(body)
+
+
+def test_an_engine_rejecting_a_stream_in_its_first_event_reaches_the_client_once(model_dir: Path) -> None:
+    """vLLM streams some 400s as an error event after a 200 (an empty decoder prompt): any engine would answer the
+    same, so the router passes it on as sent instead of retrying it elsewhere and answering 502."""
+
+    async def body() -> None:
+        async with Servers() as sv, aiohttp.ClientSession() as http:
+            engines = [await sv.start(engine(model_dir, f"e{i}")) for i in range(2)]
+            async with Router(rconfig(model_dir), [pod_of(s) for s in engines]) as router:
+                url = router.url + "/v1/completions"
+                for prompt in ([""], [[]]):
+                    data = json.dumps({"model": "tiny", "prompt": prompt, "stream": True}).encode()
+                    st, text = await send(http, url, data)
+                    assert st == 200, text
+                    events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+                    assert events[-1] == "[DONE]" and len(events) == 2, text
+                    err = error_shape(json.loads(events[0]))
+                    assert err["code"] == 400 and "prompt cannot be empty" in err["message"]
+                m = await metric_text(http, router.url)
+                assert metric(m, "llmd_router_retries_total") == 0  # before: stream_error, 3 attempts, then a 502
+
+    run(body, timeout=60)

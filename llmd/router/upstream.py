@@ -35,6 +35,25 @@ _SKIP_RESPONSE_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server", "content-encoding"}
 )
 _SSE_ERROR = b'data: {"error"'
+
+
+def _client_error(chunk: bytes) -> str | None:
+    """The message of the stream's first error event if it says 4xx (vLLM's error body: {"error": {"message": ...,
+    "code": 400}}), else None."""
+    i = chunk.find(_SSE_ERROR)
+    if i < 0:
+        return None
+    end = chunk.find(b"\n", i)
+    try:
+        err = _json_decode(chunk[i + 6 : end if end >= 0 else len(chunk)])["error"]
+        code = err["code"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return None
+    if type(code) is not int or not 400 <= code < 500:
+        return None
+    return str(err.get("message", "")) if type(err) is dict else ""
+
+
 _HOLD_MAX = 64 * 1024  # bytes of a stream's opening held back while they carry no output (a role chunk is ~200)
 
 
@@ -332,12 +351,20 @@ class Upstream:
                 raise Retry("first_byte_timeout", pod.name, pod_down=False) from exc
             except (h1.EngineHTTPError, OSError) as exc:
                 raise Retry("stream_start", pod.name, pod_down=False) from exc
+            rejected = None
             if first.startswith(_SSE_ERROR) or b"\n" + _SSE_ERROR in first:
-                # The engine failed the request before its first token (a failed KV pull): nothing reached the
-                # client, so another attempt (without KV transfer) can still serve it.
-                raise Retry("stream_error", pod.name, pod_down=False)
-            ctx.first_byte = time.monotonic()
-            dt = ctx.serving_first_s = ctx.first_byte - t0
+                # A 4xx in the stream is the request's own fault (vLLM streams "the decoder prompt cannot be empty"
+                # as an error event): any engine would answer the same, so it goes to the client as sent.
+                rejected = _client_error(first)
+                if rejected is None:
+                    # The engine failed the request before its first token (a failed KV pull): nothing reached the
+                    # client, so another attempt (without KV transfer) can still serve it.
+                    raise Retry("stream_error", pod.name, pod_down=False)
+                ctx.error = f"engine {pod.name} rejected the request: {rejected}"
+            now = time.monotonic()
+            if rejected is None:
+                ctx.first_byte = now  # an error event is no first token
+            dt = ctx.serving_first_s = now - t0
             self.metrics.first_byte_time.observe(dt)
             out_headers["x-llmd-upstream-ms"] = f"{dt * 1000:.1f}"
             resp = web.StreamResponse(status=200, headers=_response_headers(up, out_headers))
