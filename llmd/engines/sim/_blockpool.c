@@ -41,21 +41,24 @@ static PyObject *h64_of(PyObject *h) {
     return PyLong_FromUnsignedLongLong(x);
 }
 
-/* ---- the free queue --------------------------------------------------------------------------------------------- */
+/* ---- linked lists through prev/next arrays (the pool's free queue, the tier's LRU order) ------------------------ */
 
-static inline void unlink_block(Pool *s, int32_t b) {
-    int32_t p = s->prev[b], q = s->next[b];
-    s->next[p] = q;
-    s->prev[q] = p;
+static inline void list_unlink(int32_t *prev, int32_t *next, int32_t b) {
+    int32_t p = prev[b], q = next[b];
+    next[p] = q;
+    prev[q] = p;
 }
 
-static inline void insert_after(Pool *s, int32_t pos, int32_t b) {
-    int32_t q = s->next[pos];
-    s->next[pos] = b;
-    s->prev[b] = pos;
-    s->next[b] = q;
-    s->prev[q] = b;
+static inline void list_insert_after(int32_t *prev, int32_t *next, int32_t pos, int32_t b) {
+    int32_t q = next[pos];
+    next[pos] = b;
+    prev[b] = pos;
+    next[b] = q;
+    prev[q] = b;
 }
+
+static inline void unlink_block(Pool *s, int32_t b) { list_unlink(s->prev, s->next, b); }
+static inline void insert_after(Pool *s, int32_t pos, int32_t b) { list_insert_after(s->prev, s->next, pos, b); }
 
 static int block_arg(Pool *s, PyObject *o, int32_t *out) {
     long b = PyLong_AsLong(o);
@@ -482,19 +485,8 @@ static Py_ssize_t tier_find(Tier *t, PyObject *h) {
     }
 }
 
-static inline void tier_link_back(Tier *t, int32_t s) {
-    int32_t S = (int32_t)t->cap, p = t->prev[S];
-    t->next[p] = s;
-    t->prev[s] = p;
-    t->next[s] = S;
-    t->prev[S] = s;
-}
-
-static inline void tier_unlink(Tier *t, int32_t s) {
-    int32_t p = t->prev[s], q = t->next[s];
-    t->next[p] = q;
-    t->prev[q] = p;
-}
+static inline void tier_link_back(Tier *t, int32_t s) { list_insert_after(t->prev, t->next, t->prev[t->cap], s); }
+static inline void tier_unlink(Tier *t, int32_t s) { list_unlink(t->prev, t->next, s); }
 
 /* Empties table index i (backward-shift deletion keeps every other entry reachable from its home). */
 static int tier_table_delete(Tier *t, size_t i) {
@@ -772,58 +764,9 @@ static PyTypeObject TierType = {
     .tp_as_sequence = &Tier_as_sequence,
 };
 
-/* ---- module functions ------------------------------------------------------------------------------------------- */
-
-static PyObject *mod_h64_list(PyObject *Py_UNUSED(m), PyObject *hashes) {
-    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(m);
-    for (Py_ssize_t i = 0; out != NULL && i < m; i++) {
-        PyObject *x = h64_of(items[i]);
-        if (x == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, x);
-    }
-    Py_DECREF(seq);
-    return out;
-}
-
-static PyObject *mod_run_in(PyObject *Py_UNUSED(m), PyObject *args) {
-    PyObject *mapping, *hashes;
-    Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "O!Onn", &PyDict_Type, &mapping, &hashes, &start, &stop)) return NULL;
-    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    if (stop > m) stop = m;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t i = start < 0 ? 0 : start;
-    for (; i < stop; i++) {
-        int rc = PyDict_Contains(mapping, items[i]);
-        if (rc < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (rc == 0) break;
-    }
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(i > start ? i - start : 0);
-}
-
-static PyMethodDef module_methods[] = {
-    {"h64_list", mod_h64_list, METH_O, "each hash's 64-bit form: int.from_bytes(h, 'big') & (2**64 - 1)"},
-    {"run_in", mod_run_in, METH_VARARGS,
-     "run_in(mapping, hashes, start, stop) -> how many of hashes[start:stop], from the first, are keys of mapping"},
-    {NULL, NULL, 0, NULL},
-};
-
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "llmd.engines.sim._blockpool", "The simulated engine's GPU block pool in C.", -1,
-    module_methods,
+    PyModuleDef_HEAD_INIT, "llmd.engines.sim._blockpool", "The simulated engine's GPU block pool and CPU tier in C.",
+    -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__blockpool(void) {

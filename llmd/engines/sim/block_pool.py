@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
-MASK64 = (1 << 64) - 1
+from llmd.kv.events import MASK64
 
 
 class BlockPoolLike(Protocol):
@@ -57,13 +57,6 @@ def py_h64_list(hashes: Sequence[bytes]) -> list[int]:
     """Each hash's 64-bit form, as vLLM publishes it in int mode (llmd.kv.events.hash64 for bytes)."""
     from_bytes = int.from_bytes
     return [from_bytes(h, "big") & MASK64 for h in hashes]
-
-
-def py_run_in(mapping: dict[bytes, Any], hashes: Sequence[bytes], start: int, stop: int) -> int:
-    """How many of hashes[start:stop], from the first, are keys of `mapping` (one C-level lookup per block, past the
-    first miss too: runs are mostly long)."""
-    found = list(map(mapping.__contains__, hashes[start:stop]))
-    return found.index(False) if False in found else len(found)
 
 
 class PyBlockPool:
@@ -264,7 +257,9 @@ class PyCpuTier:
         return h in self._lru
 
     def run(self, hashes: Sequence[bytes], start: int, stop: int) -> int:
-        return py_run_in(self._lru, hashes, max(start, 0), stop)  # type: ignore[arg-type]
+        # One C-level lookup per block, past the first miss too: runs are mostly long.
+        found = list(map(self._lru.__contains__, hashes[max(start, 0) : stop]))
+        return found.index(False) if False in found else len(found)
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         lru = self._lru
@@ -307,10 +302,8 @@ try:
         raise ImportError("LLMD_BLOCK_POOL_PURE_PYTHON=1")
     from llmd.engines.sim._blockpool import BlockPool as NativeBlockPool
     from llmd.engines.sim._blockpool import CpuTier as NativeCpuTier
-    from llmd.engines.sim._blockpool import h64_list, run_in
 except ImportError:  # no compiler where llmd was installed (or asked not to): the pure-Python ones serve
     NativeBlockPool = NativeCpuTier = None
-    h64_list, run_in = py_h64_list, py_run_in
 
 
 def make_pool(num_blocks: int) -> BlockPoolLike:
@@ -328,15 +321,12 @@ def make_cpu_tier(capacity: int) -> CpuTierLike:
 
 
 __all__ = [
-    "MASK64",
     "BlockPoolLike",
     "CpuTierLike",
     "NativeBlockPool",
     "NativeCpuTier",
     "PyBlockPool",
     "PyCpuTier",
-    "h64_list",
     "make_cpu_tier",
     "make_pool",
-    "run_in",
 ]

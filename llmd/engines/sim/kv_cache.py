@@ -21,17 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from llmd.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash64
 
-from .block_pool import MASK64, make_cpu_tier, make_pool
+from .block_pool import make_cpu_tier, make_pool
 from .request import SimRequest
 
 GPU = "GPU"
 CPU = "CPU"
-
-
-def _h64(h: bytes) -> int:
-    return int.from_bytes(h, "big") & MASK64
 
 
 class KVCacheManager:
@@ -247,7 +243,7 @@ class KVCacheManager:
         self.events.append(
             BlockStored(
                 ev_hashes,
-                _h64(hashes[start - 1]) if start else None,
+                hash64(hashes[start - 1]) if start else None,
                 tokens if self.event_token_ids else [],
                 bs,
                 None,
@@ -323,7 +319,7 @@ class KVCacheManager:
                     events.append(
                         BlockStored(
                             [x],
-                            None if parent is None else _h64(parent),
+                            None if parent is None else hash64(parent),
                             tokens,
                             bs,
                             None,
