@@ -44,7 +44,18 @@ try:
 except ImportError:  # no compiler where llmd was installed: the pure-Python index serves
     Core = None
 
-__all__ = ["CPU", "GPU", "Gap", "Holder", "KVIndex", "NativeKVIndex", "PrefixColumns", "PrefixMatch", "PyKVIndex"]
+__all__ = [
+    "CPU",
+    "GPU",
+    "AnyKVIndex",
+    "Gap",
+    "Holder",
+    "KVIndex",
+    "NativeKVIndex",
+    "PrefixColumns",
+    "PrefixMatch",
+    "PyKVIndex",
+]
 
 
 class NativeKVIndex(IndexBase):
@@ -184,6 +195,9 @@ class NativeKVIndex(IndexBase):
         """Bytes the core's arrays take (entries, table, masks), allocated capacity included."""
         return self._core.nbytes()
 
+
+# What an annotation names: either index (KVIndex is a variable, the class chosen at import, so no type).
+AnyKVIndex = NativeKVIndex | PyKVIndex
 
 KVIndex: type[NativeKVIndex] | type[PyKVIndex] = (
     NativeKVIndex if Core is not None and not os.environ.get("LLMD_KV_PURE_PYTHON") else PyKVIndex

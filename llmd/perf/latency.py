@@ -21,10 +21,9 @@ same inputs always give the same answer.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from llmd.perf.gpus import GPUProfile, get_gpu
 from llmd.perf.models import ModelProfile, model_for_spec
@@ -35,6 +34,12 @@ if TYPE_CHECKING:
 GiB = 2**30
 _ACT_BYTES = 2  # activations travel in bf16 (TP all-reduce, EP combine)
 All2All = Literal["low_latency", "high_throughput"]
+
+
+class Uniforms(Protocol):
+    """Where MTP acceptance draws come from: random.Random, or the simulated engine's replayable UniformStream."""
+
+    def random(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -277,7 +282,7 @@ class LatencyModel:
         sampled = 0  # positions that need logits
         attn = 0.0  # attention compute, s
         ctx_tokens = 0  # context tokens whose KV is read in full
-        latent_tokens = 0  # DSA decode: context tokens whose latent is read (the selected top-k)
+        latent_tokens = 0.0  # DSA decode: context tokens whose latent is read (the selected top-k)
         topk = self._topk
         for n, c in prefill:
             if n <= 0:
@@ -291,7 +296,7 @@ class LatencyModel:
                 if b <= topk:
                     sparse = (a + b) * n * 0.5
                 elif a >= topk:
-                    sparse = n * topk
+                    sparse = float(n * topk)
                 else:
                     sparse = (a + topk) * (topk - a + 1) * 0.5 + (b - topk) * topk
                 attn += sparse * self._a_pf + n * (c + (n + 1) * 0.5) * self._a_idx
@@ -308,7 +313,7 @@ class LatencyModel:
             if topk:
                 cap = topk - half  # min(c + half, topk) = min(c, cap) + half; agentic contexts mostly exceed cap
                 if min(decode) >= cap:
-                    attended = n_dec * topk
+                    attended = float(n_dec * topk)
                 elif max(decode) <= cap:
                     attended = ctx + n_dec * half
                 else:
@@ -385,7 +390,7 @@ class LatencyModel:
         """Expected tokens a sequence gains per decode step: 1 + k * acceptance rate (1 without MTP)."""
         return 1.0 + self.mtp_draft_tokens * self.mtp_acceptance
 
-    def sample_accepted(self, rng: random.Random) -> int:
+    def sample_accepted(self, rng: Uniforms) -> int:
         """Drafts accepted in one step for one sequence (0..k); the sequence gains this + 1 tokens.
 
         Drafts are verified in order and the first rejection ends the step, as in real speculative decoding. Each

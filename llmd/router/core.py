@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -33,7 +33,8 @@ from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
 
 if TYPE_CHECKING:
-    from llmd.kv.index import KVIndex, PrefixColumns, PrefixMatch
+    from llmd.kv.index import AnyKVIndex, PrefixColumns, PrefixMatch
+    from llmd.kv.indexbase import IndexReader
 
 # Asked-for re-runs of the queue come this much after the patience runs out, so the request has waited it all.
 _WAKE_MARGIN_S = 0.001
@@ -55,7 +56,7 @@ class HolderWait:
     each_s: float
     epoch: int
 
-    def stands(self, index: KVIndex, pods: dict[str, Pod]) -> bool:
+    def stands(self, index: AnyKVIndex, pods: dict[str, Pod]) -> bool:
         """Nothing at the holder changed for the better (room, KV, its queue) or the worse (blocks it holds)."""
         ld, st = self.load, self.pod.ranks[self.holder[1]]
         return (
@@ -132,7 +133,7 @@ class _QueriedIndex:
 
     __slots__ = ("columns", "hashes", "index", "matches")
 
-    def __init__(self, index: KVIndex, hashes: Sequence[int], columns: PrefixColumns) -> None:
+    def __init__(self, index: AnyKVIndex, hashes: Sequence[int], columns: PrefixColumns) -> None:
         self.index = index
         self.hashes = hashes
         self.columns = columns
@@ -164,7 +165,7 @@ class RouterCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        index: KVIndex,
+        index: AnyKVIndex,
         *,
         max_inflight: int,
         queue_limit: int,
@@ -311,7 +312,9 @@ class RouterCore:
             slots.sort(key=lambda s: _snapshot_order(s[0]))
             self._fleet = Fleet(slots, self.ledger)
             self._endpoints_stale = False
-        return self._fleet
+        fleet = self._fleet
+        assert fleet is not None
+        return fleet
 
     def _columns(
         self, excluded: set[str], kv: KVKey = NO_KV, cached: dict[tuple[str, int], int] | np.ndarray | None = None
@@ -352,7 +355,7 @@ class RouterCore:
             unit = max(1, round(self.scheduler.tuning.chunk_chars / self.chars_per_token))
         unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit, req.block_size)
         kv = (hashes, unit, extra)
-        index: Any = self.index
+        index: IndexReader = self.index
         cached: np.ndarray | None = None
         if unit and hashes:
             fleet = self._routable()
@@ -379,9 +382,7 @@ class RouterCore:
             return None  # every one full (slots or KV): wait without paying for a scoring pass
         snap = Snapshot.of_columns(cols, now)
         self.scheduler.advance(now)
-        d = self.scheduler.schedule(
-            req, snap, cast("KVIndex", index), now, waited_s=now - job.queued_at, queued=max(0, others)
-        )
+        d = self.scheduler.schedule(req, snap, index, now, waited_s=now - job.queued_at, queued=max(0, others))
         target = self._pods.get(d.target.pod)
         if target is None:
             return None

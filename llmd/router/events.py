@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from llmd.kv.events import DecodedBatch, KVEventDecoder, is_replay_end, replay_request
-from llmd.kv.index import KVIndex
+from llmd.kv.index import AnyKVIndex
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class RankSubscription:
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
-        index: KVIndex,
+        index: AnyKVIndex,
         pod: str,
         rank: int,
         epoch: int,
@@ -320,7 +320,7 @@ class KVEventHub:
 
     def __init__(
         self,
-        index: KVIndex,
+        index: AnyKVIndex,
         *,
         replay_timeout_s: float = 2.0,
         on_batch: Callable[[str, int], None] | None = None,

@@ -39,16 +39,16 @@ def py_run_tokens(seed: int, start: int, stop: int, vocab: int) -> list[int]:
             out.append((x ^ (x >> 31)) % vocab)
         return out
     # In place: uint64 arrays wrap silently (only numpy scalars warn on overflow), and each temporary costs.
-    x = np.arange(start, stop, dtype=np.uint64)
-    x *= _U_GOLDEN
-    x += np.uint64(seed & _MASK)
-    x ^= x >> _U30
-    x *= _U_MIX1
-    x ^= x >> _U27
-    x *= _U_MIX2
-    x ^= x >> _U31
-    x %= np.uint64(vocab)
-    return x.view(np.int64).tolist()  # < 2**63: the same values, and int64's tolist is a third faster than uint64's
+    a = np.arange(start, stop, dtype=np.uint64)
+    a *= _U_GOLDEN
+    a += np.uint64(seed & _MASK)
+    a ^= a >> _U30
+    a *= _U_MIX1
+    a ^= a >> _U27
+    a *= _U_MIX2
+    a ^= a >> _U31
+    a %= np.uint64(vocab)
+    return a.view(np.int64).tolist()  # < 2**63: the same values, and int64's tolist is a third faster than uint64's
 
 
 try:

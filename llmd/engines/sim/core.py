@@ -14,7 +14,7 @@ import random
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from llmd.kv.events import KVCacheEvent
 from llmd.kv.hashing import BlockHasher
@@ -24,6 +24,9 @@ from .kv_cache import KVCacheManager
 from .request import FINISH_REASONS, FinishReason, RequestStatus, SimRequest, TokenSampler
 from .scheduler import EngineScheduler, SchedulerOutput
 from .uniforms import UniformStream, vectorisable
+
+if TYPE_CHECKING:
+    from llmd.perf.latency import Uniforms
 
 _RUNNING = RequestStatus.RUNNING
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -41,7 +44,7 @@ class StepCostModel(Protocol):
     def cpu_restore_time(self, num_tokens: int) -> float: ...
     def kv_transfer_time(self, num_tokens: int, same_node: bool) -> float: ...
     def tokens_per_decode_step(self) -> float: ...
-    def sample_accepted(self, rng: random.Random) -> int: ...
+    def sample_accepted(self, rng: Uniforms) -> int: ...
 
 
 @dataclass(slots=True)

@@ -159,6 +159,7 @@ class SimRequest:
         # Only append_output adds tokens: counting them saves a len() of the prompt (a Python call for token runs).
         self.num_tokens = n = self.num_tokens + len(token_ids)
         hasher = self.hasher
+        assert hasher is not None  # init_engine_state has run: the request is in an engine
         hashes = self.block_hashes
         bs = hasher.block_size
         n_full = n // bs
@@ -176,6 +177,7 @@ class SimRequest:
             if given is None:
                 draw = sampler.draw
                 rng = self.rng
+                assert rng is not None
                 return [draw(rng)] if n == 1 else [draw(rng) for _ in range(n)]
             # Only the first max_tokens can ever be read. A slice of token runs is a list already: no second copy.
             if type(given) is not list:
@@ -185,7 +187,8 @@ class SimRequest:
             script = self.script_tokens = given
         k = len(self.output_token_ids)
         out = script[k : k + n]
-        rng = self.rng
         while len(out) < n:
+            rng = self.rng
+            assert rng is not None
             out.append(sampler.draw(rng))
         return out

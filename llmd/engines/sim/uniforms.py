@@ -81,7 +81,7 @@ def parse_accepted(u: np.ndarray, beta: float, k: int) -> tuple[np.ndarray, np.n
         runs[0] = zeros[0]
         np.subtract(zeros[1:], zeros[:-1], out=runs[1:])
         runs[1:] -= 1
-    tail = len(u) - 1 - (zeros[-1] if len(zeros) else -1)
+    tail = len(u) - 1 - (int(zeros[-1]) if len(zeros) else -1)
     full = runs // k
     ends = np.cumsum(full + 1)  # one past each rejection's sample
     n = int(ends[-1]) if len(ends) else 0

@@ -26,7 +26,8 @@ def kv_need(need_tokens: int, block_size: int) -> int:
 class HolderIds(Protocol):
     """What maps holders to a KV index's holder ids (KVIndex, or the speculative index's own)."""
 
-    ids_version: int
+    @property
+    def ids_version(self) -> int: ...
 
     def holder_ids(self, holders: Iterable[Holder]) -> np.ndarray: ...
 

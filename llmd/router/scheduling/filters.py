@@ -6,9 +6,12 @@ scheduler's `inputs` cover its whole pipeline."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
-from llmd.router.scheduling.plugins import FilterPlugin, register_filter
+from llmd.router.scheduling.plugins import FilterPlugin, Input, register_filter
 from llmd.router.scheduling.state import HOP_ROLES, Candidate, EndpointState, Hop
+
+_T = TypeVar("_T")  # prefix_affinity keeps whatever it is given: candidates, or their positions
 
 
 def healthy(cands: Sequence[Candidate]) -> list[Candidate]:
@@ -63,8 +66,8 @@ def routable(cands: Sequence[Candidate], hop: Hop) -> list[Candidate]:
 
 
 def prefix_affinity(
-    cands: Sequence[Candidate], scores: Sequence[float], threshold: float, ttft_s: Sequence[float], max_penalty_s: float
-) -> list[Candidate]:
+    cands: Sequence[_T], scores: Sequence[float], threshold: float, ttft_s: Sequence[float], max_penalty_s: float
+) -> list[_T]:
     """llm-d's prefix-cache affinity filter: only the endpoints whose prefix score is >= `threshold` ("sticky"), if
     any; all of them when none is, or when the best sticky endpoint's estimated TTFT (`ttft_s`, from its queued
     prefill work) exceeds the best other one's by more than `max_penalty_s` (sticky until saturated)."""
@@ -77,7 +80,7 @@ def prefix_affinity(
     return [cands[i] for i in sticky]
 
 
-_ENGINE = frozenset({"engine_state"})
+_ENGINE: frozenset[Input] = frozenset({"engine_state"})
 register_filter(FilterPlugin("routable", routable, _ENGINE))  # health comes from the engines' health checks
 register_filter(FilterPlugin("has-capacity", has_capacity))  # the router's own in-flight count
 register_filter(FilterPlugin("kv-room", kv_room, _ENGINE))  # the engines' KV capacity

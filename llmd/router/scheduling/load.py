@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llmd.router.scheduling.plugins import ScorerPlugin, ScoringContext, register_scorer
+from llmd.router.scheduling.plugins import Input, ScorerPlugin, ScoringContext, register_scorer
 from llmd.router.scheduling.state import Candidate
 
 # llm-d's constants.
@@ -109,7 +109,7 @@ class TokenLoadScorer:
         return 1.0 - np.minimum(1.0, work / self.limit)
 
 
-_ENGINE = frozenset({"engine_state"})
+_ENGINE: frozenset[Input] = frozenset({"engine_state"})
 register_scorer(ScorerPlugin("kv-util", lambda s: KVUtilScorer(), _ENGINE))
 register_scorer(ScorerPlugin("queue", lambda s: QueueScorer(), _ENGINE))
 register_scorer(ScorerPlugin("load-aware", lambda s: LoadAwareScorer(s.tuning.load_aware_threshold), _ENGINE))

@@ -65,7 +65,7 @@ from llmd.router.scheduling.state import (
 )
 
 if TYPE_CHECKING:
-    from llmd.kv.index import KVIndex
+    from llmd.kv.indexbase import IndexReader
 
 POLICIES = ("precise", "approximate", "round-robin", "least-loaded", "random")
 _SCORING = frozenset({"precise", "approximate"})
@@ -220,7 +220,7 @@ class Scheduler:
         self,
         req: RouteRequest,
         snapshot: Snapshot,
-        index: KVIndex | None = None,
+        index: IndexReader | None = None,
         now: float = 0.0,
         waited_s: float = 0.0,
         queued: int = 0,
@@ -251,8 +251,10 @@ class Scheduler:
         if self.affinity > 0 and self.policy in _SCORING and len(cands) > 1:
             scale = self.tuning.time_scale
             ttft = [self.decode_model.prefill_time(t) * scale for t in cols.inflight_tokens[cands].tolist()]
-            scores = self._prefix_scores(hc, cands).tolist()
-            keep = filters.prefix_affinity(range(len(cands)), scores, self.affinity, ttft, self.max_ttft_penalty_s)
+            prefix_scores = self._prefix_scores(hc, cands).tolist()
+            keep = filters.prefix_affinity(
+                range(len(cands)), prefix_scores, self.affinity, ttft, self.max_ttft_penalty_s
+            )
             cands = cands[np.array(keep, dtype=np.intp)]
 
         i, totals, columns = self._pick("decode", ctx, cands)

@@ -17,7 +17,7 @@ from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteReque
 if TYPE_CHECKING:
     import numpy as np
 
-    from llmd.kv.index import KVIndex
+    from llmd.kv.indexbase import IndexReader
     from llmd.router.scheduling.columns import Columns, HitColumns
     from llmd.router.scheduling.pipeline import RouterSettings, Tuning
 
@@ -65,7 +65,7 @@ class ScoringContext:
 
     req: RouteRequest
     now: float = 0.0
-    index: KVIndex | None = None
+    index: IndexReader | None = None
     hits: PrefixHits | None = None
     cold: bool | None = None
     memo: dict[str, Any] = field(default_factory=dict)
