@@ -45,6 +45,7 @@ import json, sys, time
 from pathlib import Path
 from llmd.sim.cli import load_sim_spec
 from llmd.sim.run import Simulation
+from llmd import compiled
 import argparse
 spec = load_sim_spec(Path(sys.argv[1]), argparse.Namespace(agents=int(sys.argv[2]), duration=float(sys.argv[3]),
                      seed=None, policy=None))
@@ -54,7 +55,8 @@ build_s = time.perf_counter() - t0
 st = sim.run()
 print(json.dumps({"wall_s": st.wall_s + build_s, "sim_s": st.sim_s, "events": st.events, "requests": st.requests,
                   "requests_per_min": st.requests_per_min, "hit_share": st.hit_share, "ttft_p90_s": st.ttft_p90_s,
-                  "preemptions": st.preemptions, "errors": st.errors, "build_s": build_s}))
+                  "preemptions": st.preemptions, "errors": st.errors, "build_s": build_s,
+                  "engine_core": "compiled (mypyc)" if compiled.ACTIVE else f"Python source ({compiled.WHY_NOT})"}))
 """
 
 
@@ -129,6 +131,7 @@ def main() -> None:
     if not args.skip_scale:
         r = scale_run(args.agents, args.duration)
         info("deployment", f"glm52-544gpu, {args.agents} agents (automationbench), {args.duration:g} simulated s")
+        info("engine_core", r["engine_core"])  # llmd/compiled.py: the numbers differ by ~15% between the two
         info("simulated", f"{r['requests']:,} requests ({r['requests_per_min']:,.0f}/min), hit share "
              f"{r['hit_share']:.3f}, TTFT p90 {r['ttft_p90_s']:.2f} s, {r['preemptions']} preemptions, "
              f"{r['errors']} errors; build {r['build_s']:.1f} s")  # fmt: skip

@@ -233,7 +233,7 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+    def abort_request(self, request_id: str, reason: str = FinishReason.ABORT) -> bool:
         """Ends an unfinished request and frees its blocks at once; False if unknown or already finished.
 
         `reason` is what the request success counters record: "abort" for a client that went away, "stop" when the
