@@ -471,3 +471,14 @@ def test_gauges_are_read_again_only_after_a_write() -> None:
     p.ranks[0].waiting = 7
     assert type(p.ranks[0]).written == before + 1
     assert core.snapshot(set()).columns.waiting.tolist() == [7, 0]
+
+
+def test_a_max_tokens_past_int64_is_routed_not_a_router_failure() -> None:
+    # The HTTP fuzz test's find: max_tokens 2**63 - 28 overflowed the int64 KV columns (a 500 from the router). The
+    # engine answers it (a 400); the router's KV need is capped far above any cache and the request goes there.
+    core = make_core([pod("e0"), pod("e1")])
+    core._pods["e0"].ranks[0].kv_capacity_blocks = 1_000
+    first = admitted(core, job(1, blocks=4), 0.0)  # KV in flight on its pod: the need is compared with it
+    huge = job(2, blocks=2, max_tokens=2**63 - 28)
+    admitted(core, huge, 0.0)
+    assert huge.req.kv_tokens == 2**53 and first.target.name in ("e0", "e1")

@@ -79,6 +79,9 @@ class EndpointState:
     last_updated: float = 0.0
 
 
+KV_TOKENS_CAP = 2**53  # RouteRequest.kv_tokens' bound: more than any KV cache, far from int64's limit
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What the scheduler needs to know about one request; hashes were computed upstream (llmd.tokens).
@@ -100,8 +103,10 @@ class RouteRequest:
 
     @property
     def kv_tokens(self) -> int:
-        """KV the request needs at most on the endpoint that decodes it: its prompt and its whole output."""
-        return self.num_tokens + self.max_tokens
+        """KV the request needs at most on the endpoint that decodes it: its prompt and its whole output. Capped far
+        above any engine's KV cache: a client's max_tokens near 2**63 (the engine refuses it with a 400) would
+        otherwise overflow the router's int64 columns and fail the router instead."""
+        return min(self.num_tokens + self.max_tokens, KV_TOKENS_CAP)
 
 
 class Candidate(NamedTuple):
