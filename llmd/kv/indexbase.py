@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -46,20 +46,6 @@ class PrefixColumns(NamedTuple):
     blocks_any: np.ndarray
     blocks_gpu: np.ndarray
     blocks_gpu_prefix: np.ndarray
-
-
-class IndexReader(Protocol):
-    """What a scorer reads of a KV index: either index, or the router core's wrapper of one with this decision's
-    query already answered (llmd.router.core._QueriedIndex)."""
-
-    @property
-    def ids_version(self) -> int: ...
-
-    def holder_ids(self, holders: Iterable[Holder]) -> np.ndarray: ...
-
-    def query(self, block_hashes: Sequence[int]) -> list[PrefixMatch]: ...
-
-    def query_columns(self, block_hashes: Sequence[int]) -> PrefixColumns: ...
 
 
 # Holder-id versions are unique across indexes, so a cache of `holder_ids` keyed by the version alone cannot mix

@@ -35,7 +35,7 @@ from llmd.router.scheduling.state import KV_TOKENS_CAP
 
 if TYPE_CHECKING:
     from llmd.kv.index import AnyKVIndex, PrefixColumns, PrefixMatch
-    from llmd.kv.indexbase import IndexReader
+    from llmd.router.scheduling.columns import IndexReader
 
 # Asked-for re-runs of the queue come this much after the patience runs out, so the request has waited it all.
 _WAKE_MARGIN_S = 0.001

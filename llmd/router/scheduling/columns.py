@@ -9,11 +9,14 @@ names. Every value is the one the candidate's state holds, so the array pipeline
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from llmd.router.scheduling.state import HOP_ROLES, Candidate, Endpoint, EndpointState, Holder, Hop
+
+if TYPE_CHECKING:
+    from llmd.kv.indexbase import PrefixColumns, PrefixMatch
 
 I64 = np.int64
 
@@ -30,6 +33,15 @@ class HolderIds(Protocol):
     def ids_version(self) -> int: ...
 
     def holder_ids(self, holders: Iterable[Holder]) -> np.ndarray: ...
+
+
+class IndexReader(HolderIds, Protocol):
+    """What a scorer reads of a KV index: either index, or the router core's wrapper of one with this decision's
+    query already answered (llmd.router.core._QueriedIndex)."""
+
+    def query(self, block_hashes: Sequence[int]) -> list[PrefixMatch]: ...
+
+    def query_columns(self, block_hashes: Sequence[int]) -> PrefixColumns: ...
 
 
 class Columns:

@@ -65,7 +65,7 @@ from llmd.router.scheduling.state import (
 )
 
 if TYPE_CHECKING:
-    from llmd.kv.indexbase import IndexReader
+    from llmd.router.scheduling.columns import IndexReader
 
 POLICIES = ("precise", "approximate", "round-robin", "least-loaded", "random")
 _SCORING = frozenset({"precise", "approximate"})

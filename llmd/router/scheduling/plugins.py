@@ -17,8 +17,7 @@ from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteReque
 if TYPE_CHECKING:
     import numpy as np
 
-    from llmd.kv.indexbase import IndexReader
-    from llmd.router.scheduling.columns import Columns, HitColumns
+    from llmd.router.scheduling.columns import Columns, HitColumns, IndexReader
     from llmd.router.scheduling.pipeline import RouterSettings, Tuning
 
 # What a plugin may read besides the candidates, so the router gathers only what its plugins use:
