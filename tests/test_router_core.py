@@ -481,4 +481,5 @@ def test_a_max_tokens_past_int64_is_routed_not_a_router_failure() -> None:
     first = admitted(core, job(1, blocks=4), 0.0)  # KV in flight on its pod: the need is compared with it
     huge = job(2, blocks=2, max_tokens=2**63 - 28)
     admitted(core, huge, 0.0)
-    assert huge.req.kv_tokens == 2**53 and first.target.name in ("e0", "e1")
+    assert huge.req.max_tokens == 2**53 and huge.req.kv_tokens == 2**53 + huge.req.num_tokens
+    assert first.target.name in ("e0", "e1")

@@ -309,39 +309,50 @@ def test_ablations_switch_off_one_capability_on_the_same_gpus() -> None:
 def test_simulation_agrees_with_the_live_demo() -> None:
     """Fidelity against llmd's own live stack: the default demo's deployment and workload at 3x time for 60 s, run
     live (simulated engines, the router and the load generator in this process, real HTTP on 127.0.0.1) and simulated
-    with that process's CPU costs (llmd/sim/data/llmd-demo.yaml). Requests and the engines' hit share agree within the
-    issue's 5%. The live TTFT is one run on a shared 2-core machine whose one event loop carries everything: live runs
-    of this config gave p50 113-151 ms and p90 303-493 ms (303 on a quiet CI machine, 493 beside three busy
-    processes), a spread the sim's fixed CPU costs cannot follow (scaling them by the loop thread's measured CPU time
-    overshoots: most of that time is off the requests' critical path). So p50 is held within 30%, p90 within 40% (the
-    sim without the event loop's queue gives 227 ms), and benchmarks/cluster_sim.py reports the error against
-    the 10% target on a quiet machine."""
+    with that process's CPU costs (llmd/sim/data/llmd-demo.yaml), for workload seeds 0 and 1. Requests and the
+    engines' hit share agree within the issue's 5%, compared as the two seeds' means, as benchmarks/cluster_sim.py
+    compares six: one live run is one draw of a noisy process (seed 0 alone gave 591-620 requests over nine live runs
+    against a simulated 586, so a single pair's error crossed 5% on a busy CI machine while the seed's mean error
+    was ~2.5%); over two seeds the draws' spread halves against the same 5%.
+    The live TTFT comes from a shared 2-core machine whose one event loop carries everything: five live runs of seed
+    0 gave p50 0.50-0.55 s and p90 1.74-2.12 s, a spread the sim's fixed CPU costs cannot follow (scaling them by the
+    loop thread's measured CPU time overshoots: most of that time is off the requests' critical path). So p50 is held
+    within 30%, p90 within 40%, and benchmarks/cluster_sim.py reports the error of six seeds' means against the 10%
+    target on a quiet machine."""
     import asyncio
+    import tempfile
 
     from llmd import demo
 
-    spec = embedded_spec(60.0)
-    spec = spec.model_copy(
-        update={
-            "engine": spec.engine.model_copy(update={"time_scale": 3.0}),
-            "workload": spec.workload.model_copy(update={"time_scale": 3.0}),
-        }
-    )
     params = SimParams.load(ROOT / "llmd" / "sim" / "data" / "llmd-demo.yaml")
-    sim = Simulation(spec, params=params, run_id="fidelity").run()
-    out = Path(__import__("tempfile").mkdtemp())
-    run = demo.PolicyRun("precise", out / "live", out / "live" / "metrics.h5")
-    asyncio.run(demo._run_all(spec, [run], demo._model_dir(spec, False), "fidelity"))
-    live = summarize_frames(read_requests(run.metrics), read_timeseries(run.metrics), label="live")
+    base = embedded_spec(60.0)
+    sims, lives = [], []
+    for seed in (0, 1):
+        spec = base.model_copy(
+            update={
+                "engine": base.engine.model_copy(update={"time_scale": 3.0}),
+                "workload": base.workload.model_copy(update={"time_scale": 3.0, "seed": seed}),
+            }
+        )
+        sims.append(Simulation(spec, params=params, run_id="fidelity").run())
+        out = Path(tempfile.mkdtemp())
+        run = demo.PolicyRun("precise", out / "live", out / "live" / "metrics.h5")
+        asyncio.run(demo._run_all(spec, [run], demo._model_dir(spec, False), "fidelity"))
+        lives.append(summarize_frames(read_requests(run.metrics), read_timeseries(run.metrics), label="live"))
 
-    def err(a: float, b: float) -> float:
-        return abs(a - b) / b
+    def mean(runs: list, key: str) -> float:
+        return sum(getattr(r, key) for r in runs) / len(runs)
 
-    assert live.errors == 0 and sim.errors == 0
-    assert err(sim.requests, live.requests) <= 0.05, (sim.requests, live.requests)
-    assert err(sim.hit_share_gpu, live.hit_share_gpu) <= 0.05, (sim.hit_share_gpu, live.hit_share_gpu)
-    assert err(sim.ttft_p50_s, live.ttft_p50_s) <= 0.3, (sim.ttft_p50_s, live.ttft_p50_s)
-    assert err(sim.ttft_p90_s, live.ttft_p90_s) <= 0.4, (sim.ttft_p90_s, live.ttft_p90_s)
+    def err(key: str) -> float:
+        return abs(mean(sims, key) - mean(lives, key)) / mean(lives, key)
+
+    pairs = {k: [(getattr(s, k), getattr(v, k)) for s, v in zip(sims, lives, strict=True)] for k in (
+        "requests", "hit_share_gpu", "ttft_p50_s", "ttft_p90_s")}  # fmt: skip
+    assert all(r.errors == 0 for r in sims + lives), pairs
+    assert err("requests") <= 0.05, pairs["requests"]
+    assert err("hit_share_gpu") <= 0.05, pairs["hit_share_gpu"]
+    assert err("ttft_p50_s") <= 0.3, pairs["ttft_p50_s"]
+    assert err("ttft_p90_s") <= 0.4, pairs["ttft_p90_s"]
 
 
 def test_cluster_sim_benchmark_refuses_fewer_than_one_fidelity_seed_before_running(monkeypatch, capsys) -> None:

@@ -31,7 +31,6 @@ from llmd.router.scheduling import (
 )
 from llmd.router.scheduling.filters import kv_fits
 from llmd.router.scheduling.kv_demand import request_kv
-from llmd.router.scheduling.state import KV_TOKENS_CAP
 
 if TYPE_CHECKING:
     from llmd.kv.index import AnyKVIndex, PrefixColumns, PrefixMatch
@@ -354,9 +353,7 @@ class RouterCore:
             unit = req.block_size
         else:  # text chunks: the tokens a chunk of characters holds, as far as the router knows
             unit = max(1, round(self.scheduler.tuning.chunk_chars / self.chars_per_token))
-        # As RouteRequest.kv_tokens: an absurd max_tokens (the engine refuses it) must not overflow int64 columns.
-        out = min(req.max_tokens, KV_TOKENS_CAP)
-        unit, extra = request_kv(hashes, req.num_tokens, out, unit, req.block_size)
+        unit, extra = request_kv(hashes, req.num_tokens, req.max_tokens, unit, req.block_size)
         kv = (hashes, unit, extra)
         index: IndexReader = self.index
         cached: np.ndarray | None = None
@@ -413,7 +410,7 @@ class RouterCore:
                 flight.prefill = pre
                 flight.prefill_rank = d.pd.prefill.dp_rank
                 # The prefill pod holds the prompt (and one token) until the decode pod pulls it.
-                flight.prefill_kv = (hashes, unit, extra - out + 1)
+                flight.prefill_kv = (hashes, unit, extra - req.max_tokens + 1)
                 # Counted, not gated: a prefill hop is short and its pod's queue is what the decider weighed.
                 flight.prefill_load = self.ledger.take(d.pd.prefill.holder, d.pd.uncached_tokens, flight.prefill_kv)
         return flight

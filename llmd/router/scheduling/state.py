@@ -79,7 +79,7 @@ class EndpointState:
     last_updated: float = 0.0
 
 
-KV_TOKENS_CAP = 2**53  # RouteRequest.kv_tokens' bound: more than any KV cache, far from int64's limit
+KV_TOKENS_CAP = 2**53  # RouteRequest.max_tokens' bound: more than any KV cache, far from int64's limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +99,18 @@ class RouteRequest:
     text_chunk_hashes: Sequence[int] = ()
     is_subagent: bool = False
     parent_session_id: str | None = None
-    max_tokens: int = 0  # output tokens the request asks for at most (0: not given)
+    max_tokens: int = 0  # output tokens the request asks for at most (0: not given; capped at KV_TOKENS_CAP)
+
+    def __post_init__(self) -> None:
+        # Clamped once here, for every reader of the KV need: a client's max_tokens near 2**63 (the engine refuses it
+        # with a 400) would otherwise overflow the router's int64 columns and fail the router with a 500 instead.
+        if self.max_tokens > KV_TOKENS_CAP:
+            object.__setattr__(self, "max_tokens", KV_TOKENS_CAP)
 
     @property
     def kv_tokens(self) -> int:
-        """KV the request needs at most on the endpoint that decodes it: its prompt and its whole output. Capped far
-        above any engine's KV cache: a client's max_tokens near 2**63 (the engine refuses it with a 400) would
-        otherwise overflow the router's int64 columns and fail the router instead."""
-        return min(self.num_tokens + self.max_tokens, KV_TOKENS_CAP)
+        """KV the request needs at most on the endpoint that decodes it: its prompt and its whole output."""
+        return self.num_tokens + self.max_tokens
 
 
 class Candidate(NamedTuple):
