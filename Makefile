@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # token runs), built by `pip install -e .` (setup.py): a change to one reinstalls, which rebuilds them.
 NATIVE := setup.py llmd/kv/_kvnative.c llmd/engines/sim/_blockpool.c llmd/sim/_tokens.c llmd/compiled.py \
 	  llmd/engines/sim/core.py llmd/engines/sim/decode_run.py llmd/engines/sim/kv_cache.py llmd/engines/sim/request.py \
-	  llmd/engines/sim/scheduler.py
+	  llmd/engines/sim/scheduler.py llmd/engines/sim/uniforms.py
 
 .PHONY: demo test test-fast lint bench golden install install-full clean services-up services-down
 

@@ -32,6 +32,7 @@ MODULES = (
     "llmd.engines.sim.kv_cache",
     "llmd.engines.sim.request",
     "llmd.engines.sim.scheduler",
+    "llmd.engines.sim.uniforms",
 )
 GROUP = "llmd.engines.sim._core"  # mypyc's shared library: llmd/engines/sim/_core__mypyc.<ext>
 MANIFEST = "llmd/engines/sim/_core_sources.json"  # {module: sha256 of the source it was compiled from}

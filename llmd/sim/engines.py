@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from llmd.discovery import PodInfo
 from llmd.engines.kinds import engine_kind
 from llmd.engines.sim.core import EngineCore, PullTask, RequestOutput, StepResult
@@ -165,8 +163,12 @@ class SimRank:
         self._run = run
         self.runs += 1
         scale = self.fleet.time_scale
-        d = run.durations * scale if scale != 1.0 else run.durations
-        self._run_ends = np.cumsum(np.concatenate(((self.loop.now,), d)))[1:].tolist()
+        t = self.loop.now
+        ends = []
+        for d in run.durations:
+            t += d * scale if scale != 1.0 else d
+            ends.append(t)
+        self._run_ends = ends
         self._run_done = 0
         records = self.records
         self._run_quiet = all(r.request_id in records for r in run.requests)

@@ -2,7 +2,7 @@
 
 While every running request decodes and nothing can change the batch (no request to admit or a full batch, no finish
 and no capped drafts within reach, no lease to expire, KV blocks enough for every step), the next steps are fixed by
-the MTP acceptance draws alone. `plan` works out k steps' tokens, durations and KV work in a few array operations;
+the MTP acceptance draws alone. `plan` works out k steps' tokens, durations and KV work in one pass over the steps;
 `DecodeRun.apply` then carries out the first j of them on the core, exactly as j calls of `EngineCore.step` would (the
 same tokens, blocks, cached blocks, KV events in the same order, MTP draws consumed). A driver applies the steps that
 have started when something from outside touches the core (an arrival, a finished pull, a released lease) and drops
@@ -14,12 +14,10 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from .uniforms import UniformStream, parse_accepted
+from .uniforms import UniformStream, accepted
 
 if TYPE_CHECKING:
     from .core import EngineCore, StepCostModel
@@ -31,8 +29,11 @@ _LINE_TOL = 1e-12
 
 
 class DecodeRun:
-    """A plan of decode-only steps for one core, from model time `start`: `durations` per step, `gained[s][i]` the
-    tokens request i has gained by the end of step s. `applied` steps have been carried out, `cut` will be."""
+    """A plan of decode-only steps for one core, from model time `start`: `durations` per step, `gained[s * n + i]`
+    the tokens request i (of n) has gained by the end of step s. `applied` steps have been carried out, `cut` will be.
+
+    Plain lists, read a number at a time: the run is compiled with the engine core (llmd/compiled.py), where a list's
+    element costs a pointer read and a numpy scalar an object."""
 
     __slots__ = (
         "_behind",
@@ -41,8 +42,8 @@ class DecodeRun:
         "_event_list",
         "_event_steps",
         "_events",
+        "_n",
         "_next_event",
-        "_rows",
         "applied",
         "cut",
         "durations",
@@ -58,10 +59,10 @@ class DecodeRun:
         self,
         requests: list[SimRequest],
         start: float,
-        durations: np.ndarray,
-        gained: np.ndarray,
+        durations: list[float],
+        gained: list[int],
         events: list[tuple[int, int]],
-        draws: np.ndarray | None,
+        draws: list[int] | None,
         n_scheduled: int,
     ) -> None:
         self.requests = requests
@@ -72,16 +73,14 @@ class DecodeRun:
         self._event_steps = {st for st, _ in events}
         self._event_list = sorted(self._event_steps)
         self._next_event = 0
-        # Rows of `gained` as lists, made when first read: a number at a time per step, where numpy's scalars cost
-        # more than they save, and most rows of a run cut short are never read.
-        self._rows: dict[int, list[int]] = {}
+        self._n = len(requests)
         self._draws = draws  # MTP draws consumed by the end of each step
         self.n_scheduled = n_scheduled  # tokens each request is scheduled per step: 1 + drafts
         self.out0 = [len(r.output_token_ids) for r in requests]
         # Every request's tokens of the whole run are in its output script: outputs need no step carried out.
-        last = self._row(len(durations) - 1)
+        last = len(durations) - 1
         self.scripted = all(
-            r.script_tokens is not None and len(r.script_tokens) >= o + last[i]
+            r.script_tokens is not None and len(r.script_tokens) >= o + self._gained_by(last, i)
             for i, (r, o) in enumerate(zip(requests, self.out0, strict=True))
         )
         self._done = [0] * len(requests)  # steps carried out per request
@@ -126,7 +125,7 @@ class DecodeRun:
         if draws is not None:
             rng = core._mtp_rng
             assert isinstance(rng, UniformStream)
-            rng.skip(int(draws[j - 1] - (draws[a - 1] if a else 0)))
+            rng.skip(draws[j - 1] - (draws[a - 1] if a else 0))
         self.applied = j
         if complete:
             self._complete(core)
@@ -146,7 +145,7 @@ class DecodeRun:
         d = done[i]
         if d >= s:
             return
-        n = self._row(s - 1)[i] - (self._row(d - 1)[i] if d else 0)
+        n = self.gained_between(i, d, s)
         r = self.requests[i]
         r.num_computed_tokens += n
         r.append_output(r.draw_tokens(n, core.sampler))
@@ -157,8 +156,8 @@ class DecodeRun:
         """Request i's tokens from steps a..b-1: read from its output script, or from its output once those steps are
         carried out; None when neither can say yet (random tokens past the script, steps not carried out)."""
         o = self.out0[i]
-        lo = o + (self._row(a - 1)[i] if a else 0)
-        hi = o + self._row(b - 1)[i]
+        lo = o + self._gained_by(a - 1, i)
+        hi = o + self._gained_by(b - 1, i)
         r = self.requests[i]
         script = r.script_tokens
         if script is not None and hi <= len(script):
@@ -179,14 +178,11 @@ class DecodeRun:
 
     def gained_between(self, i: int, a: int, b: int) -> int:
         """Tokens request i gains in steps a..b-1."""
-        return self._row(b - 1)[i] - (self._row(a - 1)[i] if a else 0)
+        return self._gained_by(b - 1, i) - self._gained_by(a - 1, i)
 
-    def _row(self, s: int) -> list[int]:
-        """`gained[s]` as a list."""
-        row = self._rows.get(s)
-        if row is None:
-            row = self._rows[s] = self.gained[s].tolist()
-        return row
+    def _gained_by(self, s: int, i: int) -> int:
+        """Tokens request i has gained by the end of step s (0 before the run: s = -1)."""
+        return self.gained[s * self._n + i] if s >= 0 else 0
 
 
 def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
@@ -207,7 +203,10 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         return None
     inflight = s.inflight_prefills
     max_len = s.max_model_len
-    ctx, rem, blocks0, cached0 = [], [], [], []
+    ctx: list[int] = []
+    rem: list[int] = []
+    blocks: list[int] = []
+    cached: list[int] = []
     for r in running:
         nt = r.num_tokens
         n_out = len(r.output_token_ids)
@@ -215,8 +214,8 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
             return None  # a prefill (or the last chunk of one) in the batch
         ctx.append(nt)
         rem.append(min(r.max_tokens - n_out, max_len - nt))
-        blocks0.append(len(r.block_ids))
-        cached0.append(r.num_cached_blocks)
+        blocks.append(len(r.block_ids))
+        cached.append(r.num_cached_blocks)
     # A step is safe while every request has k_spec + 2 tokens left at its start: even all drafts accepted, it cannot
     # finish there, and no draft is capped. Each step gains at least one token, so at most this many steps are.
     reach = min(rem) - k_spec - 1
@@ -224,75 +223,99 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         return None
     lat = core.latency
     mtp = core._mtp_draws
-    draws = None
+    u: list[float] = []
+    pos = 0
+    beta, k_lat = 0.0, 0
+    draws: list[int] | None = None
     if k_spec and mtp is not None:
         # Draw for about the steps the tokens left allow at the mean rate (more would be computed for nothing).
         steps = min(max_steps, reach, int(reach / lat.tokens_per_decode_step() * 1.25) + 2)
         beta, k_lat = mtp
-        m = steps * n
         rng = core._mtp_rng
         assert isinstance(rng, UniformStream)
-        acc, used = parse_accepted(rng.peek(m * k_lat), beta, k_lat)
-        acc = acc[:m].reshape(steps, n)
-        if k_spec < k_lat:
-            acc = np.minimum(acc, k_spec)
-        step_tokens = acc + 1
-        draws = np.cumsum(used[:m].reshape(steps, n).sum(axis=1))
+        u, pos = rng.ahead(steps * n * k_lat)  # each sample reads at most k_lat draws
+        draws = []
     elif k_spec:
         return None  # a latency model whose draws we cannot replay in bulk: single steps
     else:
         steps = min(max_steps, reach)
-        step_tokens = np.ones((steps, n), dtype=np.int64)
-    gained = np.cumsum(step_tokens, axis=0)
-    before = gained - step_tokens  # tokens gained before each step starts
-    ok = ((np.array(rem) - before) >= k_spec + 2).all(axis=1)
-    k = steps if ok.all() else int(np.argmin(ok))
+    cap = k_spec if k_spec < k_lat else k_lat  # drafts the engine verifies of those the model samples
+    # One pass over the steps, each as step() would take it, until one would not be a plain decode step: a request
+    # near its end (k_spec + 2 tokens), or more new blocks than are free (it would preempt).
+    bs = core.kv.block_size
+    free = core.kv.num_free_blocks
+    need_left = k_spec + 2
+    gained: list[int] = []  # gained[s * n + i]: tokens request i has by the end of step s
+    before = [0] * n  # ... by the start of the step under way
+    contexts: list[list[int]] = []  # each step's contexts, for its duration
+    events: list[tuple[int, int]] = []  # (step, request) where allocate_slots adds or caches blocks
+    allocated = 0
+    p0 = pos
+    k = 0
+    while k < steps:
+        context = [0] * n
+        grown = [0] * n  # blocks each request holds for this step
+        alloc = 0
+        for i in range(n):
+            if rem[i] - before[i] < need_left:
+                break
+            c = ctx[i] + before[i]
+            context[i] = c
+            g = (c + k_spec + bs - 1) // bs
+            if g > blocks[i]:
+                alloc += g - blocks[i]
+            else:
+                g = blocks[i]
+            grown[i] = g
+        else:
+            if allocated + alloc <= free:
+                allocated += alloc
+                for i in range(n):
+                    full = context[i] // bs
+                    if grown[i] > blocks[i] or full > cached[i]:
+                        events.append((k, i))
+                        blocks[i] = grown[i]
+                        if full > cached[i]:
+                            cached[i] = full
+                    if draws is not None:
+                        acc, pos = accepted(u, pos, beta, k_lat)
+                        before[i] += (acc if acc < cap else cap) + 1
+                    else:
+                        before[i] += 1
+                    gained.append(before[i])
+                if draws is not None:
+                    draws.append(pos - p0)
+                contexts.append(context)
+                k += 1
+                continue
+        break  # step k is not a plain decode step (a request near its end, or it would preempt): single-step it
     if k < 2:
         return None
-    # KV: a decode holds blocks for its context and drafts (allocate_slots' need) and caches its full blocks.
-    bs = core.kv.block_size
-    context = np.array(ctx) + before[:k]
-    b0 = np.array(blocks0)
-    blocks = np.maximum((context + (k_spec + bs - 1)) // bs, b0)
-    alloc = _step_diff(blocks, b0)
-    cum_alloc = np.cumsum(alloc.sum(axis=1))
-    free = core.kv.num_free_blocks
-    if cum_alloc[-1] > free:
-        k = int(np.searchsorted(cum_alloc, free, side="right"))  # that step would preempt: single-step it
-        if k < 2:
-            return None
-    c0 = np.array(cached0)
-    cache = _step_diff(np.maximum(context[:k] // bs, c0), c0)
-    durations = _durations(lat, context[:k])
+    durations = _durations(lat, contexts)
     expiry = core.next_lease_expiry()
     if expiry is not None:
         # step() frees a lease whose expiry is before the step's start: stop before that step.
-        starts = np.cumsum(np.concatenate(((now,), durations[:-1])))
-        k = int(np.searchsorted(starts, expiry, side="right"))
+        starts = [now]
+        t = now
+        for d in durations[:-1]:
+            t += d
+            starts.append(t)
+        k = bisect_right(starts, expiry)
         if k < 2:
             return None
-    rows, cols = np.nonzero((alloc[:k] > 0) | (cache[:k] > 0))
-    events = list(zip(rows.tolist(), cols.tolist(), strict=True))
+    events = events[: bisect_left(events, (k, 0))]
     return DecodeRun(
         list(running),
         now,
         durations[:k],
-        gained[:k],
+        gained[: k * n],
         events,
         draws[:k] if draws is not None else None,
         n_sched,
     )
 
 
-def _step_diff(x: np.ndarray, x0: np.ndarray) -> np.ndarray:
-    """np.diff(x, axis=0, prepend=x0[None, :]) without its generic machinery (a plan's arrays are small)."""
-    out = np.empty_like(x)
-    out[0] = x[0] - x0
-    np.subtract(x[1:], x[:-1], out=out[1:])
-    return out
-
-
-def _durations(lat: StepCostModel, context: np.ndarray) -> np.ndarray:
+def _durations(lat: StepCostModel, context: list[list[int]]) -> list[float]:
     """step_time((), row) for each row of contexts: exact at probes, interpolated between them where the latency
     model is a straight line in the batch's total context.
 
@@ -302,20 +325,20 @@ def _durations(lat: StepCostModel, context: np.ndarray) -> np.ndarray:
     computed exactly); then a convex function that meets its chord at the midpoint is that chord, so a stretch whose
     exact midpoint lies on the line through its ends is interpolated, and one that does not (a bend) is halved."""
     k = len(context)
-    total = context.sum(axis=1).astype(np.float64)
-    out = np.empty(k)
+    total = [float(sum(row)) for row in context]
+    out = [0.0] * k
 
     def exact(s: int) -> float:
-        return lat.step_time((), context[s].tolist())
+        return lat.step_time((), context[s])
 
     def near(x: float, y: float) -> bool:
         return abs(x - y) <= _LINE_TOL * abs(y)
 
     first, last = exact(0), exact(k - 1)
-    moved = context[0].copy()
-    moved[int(np.argmax(moved))] += int(total[-1] - total[0])
-    if k < 4 or not near(lat.step_time((), moved.tolist()), last):
-        return np.array([first, *(exact(s) for s in range(1, k - 1)), last])
+    moved = list(context[0])
+    moved[moved.index(max(moved))] += int(total[-1] - total[0])
+    if k < 4 or not near(lat.step_time((), moved), last):
+        return [first, *(exact(s) for s in range(1, k - 1)), last]
     stack = [(0, k - 1, first, last)]
     while stack:
         a, b, ta, tb = stack.pop()
@@ -326,7 +349,9 @@ def _durations(lat: StepCostModel, context: np.ndarray) -> np.ndarray:
         tm = exact(m)
         slope = (tb - ta) / (total[b] - total[a])
         if near(ta + (total[m] - total[a]) * slope, tm):
-            out[a + 1 : b] = ta + (total[a + 1 : b] - total[a]) * slope
+            ta0 = total[a]
+            for x in range(a + 1, b):
+                out[x] = ta + (total[x] - ta0) * slope
             out[m] = tm
         else:
             stack.append((a, m, ta, tm))

@@ -2,9 +2,10 @@
 
 `UniformStream(seed)` yields exactly what `random.Random(seed).random()` yields (CPython and numpy's MT19937 share the
 generator and the 53-bit double), so swapping it in changes no result. The single-step path hands it to the latency
-model's `sample_accepted` as before; decode fast-forward (decode_run.py) reads the next draws as an array without
-consuming them (`peek`), works out how many k steps use, and consumes only those (`skip`), so the stream is where
-single-stepping would have left it.
+model's `sample_accepted` as before; decode fast-forward (decode_run.py) reads the next draws without consuming them
+(`ahead`), works out how many k steps use (`accepted`, one sample at a time), and consumes only those (`skip`), so the
+stream is where single-stepping would have left it. The draws are kept as a list of floats: the planner reads them one
+at a time (compiled with the engine core, llmd/compiled.py), where numpy's per-element cost is what it would save.
 """
 
 from __future__ import annotations
@@ -19,92 +20,76 @@ _TWO53 = 1.0 / 9007199254740992.0
 
 
 class UniformStream:
-    """`random.Random(seed).random()`'s sequence with a cursor: `random()` reads one, `peek(m)` shows the next m,
-    `skip(c)` consumes c."""
+    """`random.Random(seed).random()`'s sequence with a cursor: `random()` reads one, `ahead(m)`/`peek(m)` show the
+    next m, `skip(c)` consumes c."""
 
-    __slots__ = ("_arr", "_bits", "_i", "_list", "_n")
+    __slots__ = ("_bits", "_buf", "_i")
 
     def __init__(self, seed: str) -> None:
         state = random.Random(seed).getstate()[1]
         self._bits = np.random.MT19937()
         key = np.array(state[:624], dtype=np.uint32)
         self._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": state[624]}}
-        self._arr = np.empty(0)
-        self._list: list[float] | None = None
+        self._buf: list[float] = []
         self._i = 0
-        self._n = 0
 
     def _fill(self, need: int) -> None:
-        """Keeps the unread draws and adds at least `need` more."""
+        """Keeps the unread draws and adds at least `need` more (in bulk: numpy's MT19937, CPython's maths)."""
         m = max(need, _CHUNK)
         raw = self._bits.random_raw(2 * m)
         # CPython's random(): (a >> 5) * 2**26 + (b >> 6), over 2**53; exact in doubles.
-        new = ((raw[0::2] >> 5).astype(np.float64) * 67108864.0 + (raw[1::2] >> 6)) * _TWO53
-        self._arr = np.concatenate((self._arr[self._i :], new)) if self._i < self._n else new
-        self._n = len(self._arr)
+        new: list[float] = (((raw[0::2] >> 5).astype(np.float64) * 67108864.0 + (raw[1::2] >> 6)) * _TWO53).tolist()
+        i = self._i
+        self._buf = self._buf[i:] + new if i < len(self._buf) else new
         self._i = 0
-        self._list = None
 
     def random(self) -> float:
         i = self._i
-        if i >= self._n:
+        if i >= len(self._buf):
             self._fill(1)
             i = 0
-        lst = self._list
-        if lst is None:
-            lst = self._list = self._arr.tolist()
         self._i = i + 1
-        return lst[i]
+        return self._buf[i]
 
-    def peek(self, m: int) -> np.ndarray:
-        """The next `m` draws, not consumed."""
-        if self._i + m > self._n:
+    def ahead(self, m: int) -> tuple[list[float], int]:
+        """(buffer, cursor): the next `m` draws are buffer[cursor:cursor + m], not consumed (read, never written)."""
+        if self._i + m > len(self._buf):
             self._fill(m)
-        return self._arr[self._i : self._i + m]
+        return self._buf, self._i
+
+    def peek(self, m: int) -> list[float]:
+        """The next `m` draws, not consumed."""
+        buf, i = self.ahead(m)
+        return buf[i : i + m]
 
     def skip(self, c: int) -> None:
-        """Consumes `c` draws (at most what `peek` showed)."""
+        """Consumes `c` draws (at most what `ahead` showed)."""
         self._i += c
 
 
-def parse_accepted(u: np.ndarray, beta: float, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Successive `sample_accepted` outcomes over the draws `u`: each sample reads draws until one is >= `beta` or `k`
-    have been accepted. Returns (accepted, draws read) per sample, as many samples as `u` completes.
-
-    Vectorised: a run of r accepts ended by a rejection holds r // k full samples (k accepts, k draws each) and then
-    one sample of r % k accepts (r % k + 1 draws); a trailing run without its rejection holds only its full samples.
-    """
-    zeros = np.flatnonzero(u >= beta)
-    # np.diff(zeros, prepend=-1) - 1 without np.diff's generic machinery (a third of this function's time).
-    runs = np.empty_like(zeros)
-    if len(zeros):
-        runs[0] = zeros[0]
-        np.subtract(zeros[1:], zeros[:-1], out=runs[1:])
-        runs[1:] -= 1
-    tail = len(u) - 1 - (int(zeros[-1]) if len(zeros) else -1)
-    full = runs // k
-    ends = np.cumsum(full + 1)  # one past each rejection's sample
-    n = int(ends[-1]) if len(ends) else 0
-    n_tail = tail // k
-    acc = np.full(n + n_tail, k, dtype=np.int64)
-    draws = np.full(n + n_tail, k, dtype=np.int64)
-    if n:
-        rest = runs - full * k
-        acc[ends - 1] = rest
-        draws[ends - 1] = rest + 1
-    return acc, draws
+def accepted(u: list[float], i: int, beta: float, k: int) -> tuple[int, int]:
+    """One `sample_accepted` outcome read from the draws u[i:]: (drafts accepted, where the next sample reads).
+    Drafts are accepted while draws are < `beta`, up to `k`; a rejection reads its draw, the k-th accept ends it."""
+    a = 0
+    while a < k:
+        x = u[i]
+        i += 1
+        if x >= beta:
+            break
+        a += 1
+    return a, i
 
 
 def vectorisable(sample_accepted: Callable[[UniformStream], int], beta: float, k: int) -> bool:
-    """Whether `sample_accepted` is the chained draw `parse_accepted` reproduces (the latency model's): the same
-    outcomes and the same draws read, on a probe stream."""
+    """Whether `sample_accepted` is the chained draw `accepted` reproduces (the latency model's): the same outcomes
+    and the same draws read, on a probe stream."""
     probe = UniformStream("llmd/mtp-probe")
-    u = probe.peek(4000).copy()
-    acc, draws = parse_accepted(u, beta, k)
+    u = probe.peek(4000)
+    i = 0
     try:
-        for a, d in zip(acc[:400].tolist(), draws[:400].tolist(), strict=True):
-            before = probe._i
-            if sample_accepted(probe) != a or probe._i - before != d:
+        for _ in range(400):
+            a, i = accepted(u, i, beta, k)
+            if sample_accepted(probe) != a or probe._i != i:
                 return False
     except AttributeError:  # it wants more of the generator than random()
         return False
