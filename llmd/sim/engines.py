@@ -35,8 +35,10 @@ OutputSink = Callable[[RequestOutput, float], None]
 StreamRecord = Callable[[list[float], int], None]
 
 # Decode fast-forward: the most steps a rank plans at once. Longer runs save plans; a run ends at the next arrival,
-# pull or release anyway, and the steps planned past that are work thrown away.
-MAX_RUN_STEPS = 256
+# pull or release anyway, and the steps planned past that are work thrown away. A plan costs about its steps (~1.7 us
+# each compiled); at 3,000 agents on 544 GPUs a run carried out a third of what 256 planned (median 10 steps), and the
+# first 75 simulated s took 41.3 CPU s at 64 (41.7 at 32, 42.7 at 16) against 47.3 at 256.
+MAX_RUN_STEPS = 64
 
 
 @dataclass(slots=True)
