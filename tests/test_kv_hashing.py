@@ -68,6 +68,18 @@ def test_incremental_equals_full(tokens, split, algo, salt) -> None:
     assert len(full) == len(tokens) // 8
 
 
+def test_chain_is_hash_block_block_after_block_from_any_offset() -> None:
+    h = BlockHasher(block_size=4, algo="xxhash", seed="3")
+    toks = list(range(100, 130))
+    want, parent = [], None
+    for i in range(1, 7):  # the blocks at offsets 4, 8, ... 24
+        parent = h.hash_block(parent, toks[i * 4 : i * 4 + 4])
+        want.append(parent)
+    assert h.chain(None, toks, 4, 6) == want
+    assert h.chain(want[1], toks, 12, 4) == want[2:]
+    assert h.chain(want[0], toks, 8, 0) == []
+
+
 def test_only_full_blocks_are_hashed_and_chain_depends_on_everything_before() -> None:
     h = BlockHasher(block_size=4)
     assert h.hash_tokens([1, 2, 3]) == []

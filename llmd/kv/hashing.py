@@ -117,6 +117,18 @@ class BlockHasher:
         """One block: H((parent or NONE_HASH, tuple(tokens), extra_keys))."""
         return self.hash_fn((parent or self.none_hash, tuple(tokens), extra_keys))
 
+    def chain(self, parent: bytes | None, tokens: Sequence[int], offset: int, count: int) -> list[bytes]:
+        """The hashes of `count` plain-text blocks (no extra keys) of `tokens` from `offset`, chained after `parent`
+        (None: the first block): `hash_block` for each, without a call per block (agents' contexts hash thousands)."""
+        fn, bs = self.hash_fn, self.block_size
+        out: list[bytes] = []
+        append = out.append
+        h = parent or self.none_hash
+        for a in range(offset, offset + count * bs, bs):
+            h = fn((h, tuple(tokens[a : a + bs]), None))
+            append(h)
+        return out
+
     def hash_tokens(
         self,
         tokens: Sequence[int],
@@ -138,13 +150,11 @@ class BlockHasher:
             raise ValueError(f"prefix has {start} block hashes but the tokens hold only {n_full} full blocks")
         out = list(prefix)
         parent = out[-1] if out else self.none_hash
-        fn = self.hash_fn
         if lora is None and not cache_salt:
             # The hot path: plain text, no extra keys.
-            for i in range(start, n_full):
-                parent = fn((parent, tuple(tokens[i * bs : (i + 1) * bs]), None))
-                out.append(parent)
+            out += self.chain(parent, tokens, start * bs, n_full - start)
             return out
+        fn = self.hash_fn
         for i in range(start, n_full):
             extra = block_extra_keys(i, cache_salt=cache_salt, lora=lora)
             parent = fn((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra))

@@ -60,16 +60,9 @@ class ContextBuilder:
         toks = tokens.tokens(lo, max(full * bs, cfull * ct))
         hashes, h64 = ctx.hashes, ctx.h64
         if full > done:
-            hs, h64s = list(hashes), list(h64)
-            hash_block = self.hasher.hash_block
-            parent = hs[-1] if hs else None
-            off = done * bs - lo
-            for i in range(full - done):
-                parent = hash_block(parent, toks[off + i * bs : off + (i + 1) * bs])
-                hs.append(parent)
-                h64s.append(hash64(parent))
+            new = self.hasher.chain(hashes[-1] if hashes else None, toks, done * bs - lo, full - done)
             self.blocks_hashed += full - done
-            hashes, h64 = tuple(hs), tuple(h64s)
+            hashes, h64 = hashes + tuple(new), h64 + tuple(map(hash64, new))
         chunks = ctx.chunks
         if cfull > cstart:
             cs = list(chunks)
