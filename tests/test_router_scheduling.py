@@ -456,6 +456,34 @@ def test_common_prefix_of_two_chains_from_any_hint(seed) -> None:
         assert common_prefix(a, b, n, hint) == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([256, 8, 0]))
+def test_chain_set_is_a_multiset_of_chains(seed, short) -> None:
+    """Adds and removes of chains sharing prefixes (turns, forks, the system prompt, the same chain twice): the unit
+    counts and every longest-held prefix as a plain list of the chains says; removing one never added is refused."""
+    rng = random.Random(seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chains_mod, "SHORT_UNITS", short)
+        cs, held = chains_mod.ChainSet(), []
+        chains = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 6))]]
+        for _ in range(60):
+            if held and rng.random() < 0.4:
+                c = held.pop(rng.randrange(len(held)))
+                assert cs.remove(tuple(c) if rng.random() < 0.5 else c)
+            else:
+                c = rng.choice(chains) if rng.random() < 0.2 else _next_chain(rng, chains)
+                cs.add(c)
+                held.append(c)
+            want: dict[int, int] = {}
+            for c in held:
+                for u in c:
+                    want[u] = want.get(u, 0) + 1
+            assert cs.unit_counts() == want and bool(cs) == bool(held)
+            q = _next_chain(rng, list(chains))
+            assert cs.longest(q) == max((common_prefix(q, c, min(len(q), len(c))) for c in held), default=0)
+        assert not cs.remove([rng.getrandbits(64)])
+
+
 class _NaiveSpeculative:
     """What SpeculativeIndex means, block by block: a holder holds a block while an alive record of a request sent
     there has it in its chain and has not expired; records leave when they expire (as pruned), when the bound drops

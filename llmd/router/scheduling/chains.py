@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import _count_elements, deque  # type: ignore[attr-defined]  # Counter.update's C loop
 from collections.abc import Container, Sequence
-from itertools import compress, repeat
+from itertools import islice, repeat
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> int:
@@ -80,16 +80,37 @@ class ChainSet:
     def remove(self, chain: Sequence[int]) -> bool:
         """Take away one chain equal to `chain`, one the caller added; False (and nothing changes) where there is
         certainly none (a short chain's units are counted, not the chain: one whose units all lie in others' passes)."""
-        if len(chain) < SHORT_UNITS:
+        n = len(chain)
+        if n < SHORT_UNITS:
+            if not n:
+                return True
             refs = self._refs
-            counts = list(map(refs.get, chain))
-            if None in counts:
+            # Counts never grow along a chain (a chain with a unit has every unit before it), so the last unit's
+            # presence means the chain's, and the units only this chain has (count 1) are a tail found by bisection:
+            # they go, the shared head's counts drop by one. Most units are in the tail or the head is short (a
+            # system prompt), where counting every unit took four passes over the chain.
+            last = refs.get(chain[-1])
+            if last is None:
                 return False
-            refs.update(zip(chain, map(int.__sub__, counts, repeat(1)), strict=True))  # new counts, in C
-            deque(map(refs.pop, compress(chain, map((1).__eq__, counts))), maxlen=0)  # units no chain has now
+            if last > 1:
+                p = n
+            elif refs[chain[0]] == 1:
+                p = 0
+            else:
+                lo, p = 0, n - 1  # refs[chain[lo]] > 1, refs[chain[p]] == 1
+                while p - lo > 1:
+                    mid = (lo + p) // 2
+                    if refs[chain[mid]] > 1:
+                        lo = mid
+                    else:
+                        p = mid
+            if p < n:
+                deque(map(refs.pop, islice(chain, p, n)), maxlen=0)  # in C
+            if p:
+                head = chain[:p]
+                refs.update(zip(head, map(int.__sub__, map(refs.__getitem__, head), repeat(1)), strict=True))
             return True
         chains = self._long
-        n = len(chain)
         at = next((i for i, c in enumerate(chains) if c is chain), None)
         if at is None:  # an equal chain, not the same object
             at = next((i for i, c in enumerate(chains) if len(c) == n and common_prefix(chain, c, n) == n), None)
