@@ -11,7 +11,7 @@ Prints `name: value  # target ... (ratio R)`, R >= 1 meaning the target is met.
   costs), for each of --fidelity-seeds workload seeds (6): errors of the simulation's mean over the seeds against the
   live runs' mean in hit share (engines' own counters), requests/min and TTFT p50/p90 (targets 5% and 10%; ttft_err
   is the worse of p50 and p90). Each seed's pair is printed too.
-`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live]`: the 900 s run takes ~15 minutes on this
+`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live]`: the 900 s run takes ~10 minutes on this
 2-core machine today (`--duration 60`: ~1.5), the live-vs-simulated runs ~6.5.
 """
 
