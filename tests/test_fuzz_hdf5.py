@@ -220,6 +220,19 @@ def test_corrupted_copies_are_refused_or_read(
         assert str(path) in result["msg"], result["msg"]
 
 
+def test_a_global_heap_libhdf5_would_spin_on_is_refused_at_once(reader: Reader, finished: bytes, scratch: Path) -> None:
+    """The spec string's length shortened (11 -> 1, one byte, as hypothesis found) walks libhdf5's global heap parser
+    onto a zero-size free-space record, where HDF5 2.0.0 loops for ever inside C; the reader names it instead."""
+    blob = bytearray(finished)
+    text = blob.index(b"name: fuzz\n")
+    assert int.from_bytes(blob[text - 8 : text], "little") == 11  # the size field of the spec's heap object
+    blob[text - 8] = 1
+    path = _copy(scratch, bytes(blob), "metrics.h5")
+    result = reader.read(path)
+    assert result["seconds"] < SECONDS and not result["ok"] and result["user"], result
+    assert str(path) in result["msg"] and "global heap" in result["msg"], result["msg"]
+
+
 @SETTINGS
 @given(data=st.data())
 def test_truncated_killed_writer_files_are_refused_or_a_prefix(

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from llmd.errors import UserError
+from llmd.metrics import global_heap
 from llmd.metrics.schema import REQUEST_DTYPE, TIMESERIES_DTYPE, decode_columns, older_schema, upgrade
 from llmd.spec.redact import redact_spec_text
 
@@ -110,7 +111,8 @@ def _open_swmr(path: str | os.PathLike[str]) -> h5py.File:
 def open_metrics(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
     """Open read-only. A finished file opens plainly, which checks its size against the superblock; a file a SWMR
     writer has open (or had, if killed) opens as a SWMR reader with bounded retries, so it reads as far as the writer
-    got. Anything else that fails to open is UnreadableMetrics; a missing file stays FileNotFoundError."""
+    got. Anything else that fails to open is UnreadableMetrics, as is a global heap libhdf5 would hang on
+    (global_heap.py); a missing file stays FileNotFoundError."""
     try:
         f = h5py.File(path, "r")
     except FileNotFoundError:
@@ -122,6 +124,10 @@ def open_metrics(path: str | os.PathLike[str]) -> Iterator[h5py.File]:
             f = _open_swmr(path)
         except OSError as swmr_exc:
             raise unreadable(path, swmr_exc) from None
+    why = global_heap.damage(path)  # damage libhdf5 would spin on for ever when reading a string
+    if why is not None:
+        f.close()
+        raise UnreadableMetrics(path, f"it is damaged ({why})")
     try:
         yield f
     finally:
