@@ -12,6 +12,7 @@ import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from llmd.discovery import PodInfo
@@ -165,12 +166,8 @@ class SimRank:
         self._run = run
         self.runs += 1
         scale = self.fleet.time_scale
-        t = self.loop.now
-        ends = []
-        for d in run.durations:
-            t += d * scale if scale != 1.0 else d
-            ends.append(t)
-        self._run_ends = ends
+        d = run.durations if scale == 1.0 else [x * scale for x in run.durations]
+        self._run_ends = list(accumulate(d, initial=self.loop.now))[1:]
         self._run_done = 0
         records = self.records
         self._run_quiet = all(r.request_id in records for r in run.requests)

@@ -15,6 +15,7 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from .uniforms import UniformStream, accepted
@@ -253,54 +254,38 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     p0 = pos
     k = 0
     while k < steps:
-        context = [0] * n
-        grown = [0] * n  # blocks each request holds for this step
-        alloc = 0
+        if any(rem[i] - before[i] < need_left for i in range(n)):
+            break  # a request near its end: single-step it
+        context = [ctx[i] + before[i] for i in range(n)]
+        grown = [max(blocks[i], (context[i] + k_spec + bs - 1) // bs) for i in range(n)]  # blocks held for the step
+        alloc = sum(grown) - sum(blocks)
+        if allocated + alloc > free:
+            break  # it would preempt: single-step it
+        allocated += alloc
         for i in range(n):
-            if rem[i] - before[i] < need_left:
-                break
-            c = ctx[i] + before[i]
-            context[i] = c
-            g = (c + k_spec + bs - 1) // bs
-            if g > blocks[i]:
-                alloc += g - blocks[i]
+            full = context[i] // bs
+            if grown[i] > blocks[i] or full > cached[i]:
+                events.append((k, i))
+                blocks[i] = grown[i]
+                if full > cached[i]:
+                    cached[i] = full
+            if draws is not None:
+                acc, pos = accepted(u, pos, beta, k_lat)
+                before[i] += (acc if acc < cap else cap) + 1
             else:
-                g = blocks[i]
-            grown[i] = g
-        else:
-            if allocated + alloc <= free:
-                allocated += alloc
-                for i in range(n):
-                    full = context[i] // bs
-                    if grown[i] > blocks[i] or full > cached[i]:
-                        events.append((k, i))
-                        blocks[i] = grown[i]
-                        if full > cached[i]:
-                            cached[i] = full
-                    if draws is not None:
-                        acc, pos = accepted(u, pos, beta, k_lat)
-                        before[i] += (acc if acc < cap else cap) + 1
-                    else:
-                        before[i] += 1
-                    gained.append(before[i])
-                if draws is not None:
-                    draws.append(pos - p0)
-                contexts.append(context)
-                k += 1
-                continue
-        break  # step k is not a plain decode step (a request near its end, or it would preempt): single-step it
+                before[i] += 1
+            gained.append(before[i])
+        if draws is not None:
+            draws.append(pos - p0)
+        contexts.append(context)
+        k += 1
     if k < 2:
         return None
     durations = _durations(lat, contexts)
     expiry = core.next_lease_expiry()
     if expiry is not None:
         # step() frees a lease whose expiry is before the step's start: stop before that step.
-        starts = [now]
-        t = now
-        for d in durations[:-1]:
-            t += d
-            starts.append(t)
-        k = bisect_right(starts, expiry)
+        k = bisect_right(list(accumulate(durations[:-1], initial=now)), expiry)
         if k < 2:
             return None
     events = events[: bisect_left(events, (k, 0))]
