@@ -19,7 +19,7 @@ from llmd.sim import tokens as sim_tokens
 from llmd.sim.context import ContextBuilder
 from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
-from llmd.sim.run import Simulation
+from llmd.sim.run import ABORTED, Simulation
 from llmd.sim.tokens import TokenRuns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +157,23 @@ def test_same_seed_same_run_and_policies_differ_only_by_their_decisions() -> Non
     # Under the demo's KV pressure, spraying sessions over the engines loses their prefixes; routing on the engines'
     # own KV events keeps them.
     assert a.hit_share > rr.hit_share + 0.05
+
+
+def test_requests_cut_at_the_end_are_written_in_sending_order() -> None:
+    """The run's last rows (requests still in flight at its end) follow the order they were sent in, not the
+    addresses of their objects (a set of them gave an order that changed from one process to the next)."""
+    spec = embedded_spec(30.0)
+    spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"concurrency": 64})})
+    sim = Simulation(spec, run_id="x")
+
+    def progress(t: float, _stats: object) -> None:
+        if t >= 4:
+            raise KeyboardInterrupt  # the run stops with its requests in flight
+
+    sim.run(progress)
+    cut = [c for c in sim.calls if c.error == ABORTED]
+    assert len(cut) > 20
+    assert [c.request_id for c in cut] == [c.request_id for c in sorted(cut, key=lambda c: c.send_time)]
 
 
 def test_ctrl_c_keeps_what_was_simulated(tmp_path: Path) -> None:

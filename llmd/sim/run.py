@@ -137,7 +137,9 @@ class Simulation:
         workload = profile_from_spec(w, run_id=run_id, max_model_len=m.max_model_len)
         self.duration_s = float(spec.workload.duration_s)
         self.agents = Agents(loop, workload, builder, self._send, self.duration_s)
-        self.inflight: set[Call] = set()
+        # In sending order (a dict, not a set of objects hashed by address): the requests cut at the end are written
+        # in the same order every run.
+        self.inflight: dict[Call, None] = {}
         self.recorder: SimRecorder | None = None
         if out_dir is not None:
             meta = {
@@ -160,11 +162,11 @@ class Simulation:
 
     def _send(self, call: Call) -> None:
         call.input_tokens = len(call.ctx)
-        self.inflight.add(call)
+        self.inflight[call] = None
         done = call.on_done
 
         def finished(c: Call) -> None:
-            self.inflight.discard(c)
+            self.inflight.pop(c, None)
             self.calls.append(c)
             if self.recorder is not None:
                 self.recorder.finished(c)
@@ -246,7 +248,7 @@ class Simulation:
             call.status = 0
             call.error = ABORTED
             call.done_time = self.loop.now
-            self.inflight.discard(call)
+            del self.inflight[call]
             self.calls.append(call)
             if self.recorder is not None:
                 self.recorder.finished(call)
