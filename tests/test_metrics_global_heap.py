@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from llmd.metrics import MetricsWriter
+import pytest
+
+from llmd.metrics import MetricsWriter, global_heap
 from llmd.metrics.global_heap import damage
 
 SIZE = 4096
@@ -60,3 +63,22 @@ def test_the_writers_files_pass(tmp_path: Path) -> None:
     with MetricsWriter(path, "client", {"spec": "name: x\n", "seed": 3}) as w:
         w.append_requests([{"request_id": f"r{i}", "ttft_s": 0.1} for i in range(100)])
     assert b"GCOL" in path.read_bytes() and damage(path) is None
+
+
+def test_a_sound_file_is_scanned_once_until_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook re-reading a run pays the scan once; a write to the file (a live run's) makes it look again."""
+    path = _file(tmp_path, _collection([(1, b"abc")]))
+    walks = []
+    real = global_heap._walk
+    monkeypatch.setattr(global_heap, "_walk", lambda *a: walks.append(a) or real(*a))
+    assert damage(path) is None and len(walks) == 1
+    assert damage(path) is None and len(walks) == 1  # the same version of the file: not scanned again
+    with path.open("ab") as fh:
+        fh.write(_collection([(1, b"abc")], free=0))  # a damaged collection appended, as a writer might
+    why = damage(path)
+    assert len(walks) == 3 and why is not None and "free-space record of size 0" in why
+    assert damage(path) is not None  # damage is found at every look, never remembered as sound
+    st = path.stat()
+    path.write_bytes(path.read_bytes()[:-SIZE])  # sound again, and the same size as the version read first
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert damage(path) is None and len(walks) == 6
