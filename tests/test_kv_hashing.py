@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmd.kv import hashing
 from llmd.kv.hashing import HASH_ALGOS, BlockHasher, block_extra_keys, event_hash, to_event_extra_keys
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=200_000), max_size=400)
@@ -78,6 +83,69 @@ def test_chain_is_hash_block_block_after_block_from_any_offset() -> None:
     assert h.chain(None, toks, 4, 6) == want
     assert h.chain(want[1], toks, 12, 4) == want[2:]
     assert h.chain(want[0], toks, 8, 0) == []
+
+
+# `make test` sets LLMD_REQUIRE_NATIVE=1: a build that silently left out the C pickle fails here, not skips.
+if hashing._native_chain is None and os.environ.get("LLMD_REQUIRE_NATIVE") == "1":
+    raise RuntimeError("llmd.kv._blockpickle is not built (pip install -e . with a C compiler)")
+native = pytest.mark.skipif(hashing._native_chain is None, reason="llmd.kv._blockpickle not built")
+int32_st = st.one_of(
+    st.integers(0, 255), st.integers(256, 65_535), st.integers(65_536, 2**31 - 1), st.integers(-(2**31), -1)
+)
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(
+    bs=st.sampled_from([1, 2, 3, 4, 5, 64]),
+    blocks=st.integers(0, 4),
+    offset=st.integers(0, 3),
+    data=st.data(),
+    as_tuple=st.booleans(),
+)
+def test_the_c_pickle_is_pickles_own_bytes(bs, blocks, offset, data, as_tuple) -> None:
+    """Each block's bytes the C chain hands the digest are pickle.dumps((parent, tuple(tokens), None), protocol 5),
+    for every int32 token (BININT1, BININT2, BININT) and every tuple opcode (TUPLE1..3, MARK..TUPLE)."""
+    toks = data.draw(st.lists(int32_st, min_size=offset + blocks * bs, max_size=offset + blocks * bs + 3))
+    seen: list[bytes] = []
+
+    def digest(b: bytes) -> bytes:
+        seen.append(b)
+        return xxhash.xxh3_128_digest(b)
+
+    parent = b"p" * data.draw(st.sampled_from([16, 32]))
+    got = hashing._native_chain(digest, parent, tuple(toks) if as_tuple else toks, offset, blocks, bs)
+    want, h = [], parent
+    for i in range(blocks):
+        block = tuple(toks[offset + i * bs : offset + (i + 1) * bs])
+        assert seen[i] == pickle.dumps((h, block, None), protocol=5)
+        h = xxhash.xxh3_128_digest(seen[i])
+        want.append(h)
+    assert got == want and len(seen) == blocks
+
+
+@native
+def test_tokens_the_c_pickle_does_not_write_go_to_pickle() -> None:
+    """Ints past int32, bools, sequences other than lists and tuples: the C chain declines (None) and the hasher
+    pickles them, with the same hashes as hash_block."""
+    h = BlockHasher(block_size=4, algo="xxhash", seed="3")
+    digest = xxhash.xxh3_128_digest
+    for toks in ([1, 2, 3, 2**31], [1, 2, 3, -(2**31) - 1], [True, 2, 3, 4], [1, 2, 3, 4.0]):
+        assert hashing._native_chain(digest, h.none_hash, toks, 0, 1, 4) is None
+        assert h.chain(None, toks, 0, 1) == [h.hash_block(None, toks)]
+    assert hashing._native_chain(digest, h.none_hash, range(8), 0, 2, 4) is None
+    assert h.chain(None, range(8), 0, 2) == h.chain(None, list(range(8)), 0, 2)
+    with pytest.raises(ValueError, match="past the tokens"):
+        hashing._native_chain(digest, h.none_hash, [1, 2, 3], 0, 1, 4)
+    with pytest.raises(TypeError, match="must return bytes"):
+        hashing._native_chain(lambda b: 1, h.none_hash, [1, 2, 3, 4], 0, 1, 4)
+    for algo in ("sha256", "xxhash"):  # the pickling algorithms take the C path, with their own digests
+        hasher = BlockHasher(block_size=4, algo=algo, seed="3")
+        assert hasher._digest is not None
+        toks = list(range(60_000, 60_012))
+        first = hasher.hash_block(None, toks[:4])
+        want = [first, (second := hasher.hash_block(first, toks[4:8])), hasher.hash_block(second, toks[8:])]
+        assert hasher.chain(None, toks, 0, 3) == want
 
 
 def test_only_full_blocks_are_hashed_and_chain_depends_on_everything_before() -> None:

@@ -44,6 +44,20 @@ def _h_xxhash_cbor(obj: Any) -> bytes:
     return _xxh3_128(_cbor_dumps(obj, canonical=True))
 
 
+try:
+    # The same bytes as pickle.dumps for a plain-text block, written in C (see the file): without it, pickle.
+    from llmd.kv._blockpickle import chain as _native_chain
+except ImportError:
+    _native_chain = None
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return _sha256(data).digest()
+
+
+# What the pickling algorithms apply to a block's pickle: the native chain writes the pickle, these hash it.
+_PICKLE_DIGESTS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256_digest, "xxhash": _xxh3_128}
+
 HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
     "sha256": _h_sha256,
     "sha256_cbor": _h_sha256_cbor,
@@ -93,7 +107,7 @@ class BlockHasher:
     match such engines through the token ids their events carry instead.
     """
 
-    __slots__ = ("algo", "block_size", "hash_fn", "none_hash", "seed")
+    __slots__ = ("_digest", "algo", "block_size", "hash_fn", "none_hash", "seed")
 
     def __init__(self, block_size: int, algo: str = "sha256", seed: str | None = None) -> None:
         if algo not in HASH_FUNCTIONS:
@@ -110,6 +124,7 @@ class BlockHasher:
         self.seed = seed
         self.hash_fn = HASH_FUNCTIONS[algo]
         self.none_hash = self.hash_fn(DEFAULT_NONE_HASH_SEED if seed is None else seed)
+        self._digest = _PICKLE_DIGESTS.get(algo) if _native_chain is not None else None
 
     def hash_block(
         self, parent: bytes | None, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None = None
@@ -121,9 +136,13 @@ class BlockHasher:
         """The hashes of `count` plain-text blocks (no extra keys) of `tokens` from `offset`, chained after `parent`
         (None: the first block): `hash_block` for each, without a call per block (agents' contexts hash thousands)."""
         fn, bs = self.hash_fn, self.block_size
+        h = parent or self.none_hash
+        if self._digest is not None:
+            got = _native_chain(self._digest, h, tokens, offset, count, bs)
+            if got is not None:  # None: tokens it does not write (not a list or tuple of int32s): pickle does
+                return got  # type: ignore[no-any-return]
         out: list[bytes] = []
         append = out.append
-        h = parent or self.none_hash
         for a in range(offset, offset + count * bs, bs):
             h = fn((h, tuple(tokens[a : a + bs]), None))
             append(h)
