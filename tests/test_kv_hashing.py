@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import pickle
 
@@ -101,11 +102,12 @@ int32_st = st.one_of(
     blocks=st.integers(0, 4),
     offset=st.integers(0, 3),
     data=st.data(),
-    as_tuple=st.booleans(),
+    form=st.sampled_from(["list", "tuple", "packed"]),
 )
-def test_the_c_pickle_is_pickles_own_bytes(bs, blocks, offset, data, as_tuple) -> None:
+def test_the_c_pickle_is_pickles_own_bytes(bs, blocks, offset, data, form) -> None:
     """Each block's bytes the C chain hands the digest are pickle.dumps((parent, tuple(tokens), None), protocol 5),
-    for every int32 token (BININT1, BININT2, BININT) and every tuple opcode (TUPLE1..3, MARK..TUPLE)."""
+    for every int32 token (BININT1, BININT2, BININT) and every tuple opcode (TUPLE1..3, MARK..TUPLE), with the
+    tokens as a list, a tuple or native int64s packed in bytes."""
     toks = data.draw(st.lists(int32_st, min_size=offset + blocks * bs, max_size=offset + blocks * bs + 3))
     seen: list[bytes] = []
 
@@ -114,7 +116,8 @@ def test_the_c_pickle_is_pickles_own_bytes(bs, blocks, offset, data, as_tuple) -
         return xxhash.xxh3_128_digest(b)
 
     parent = b"p" * data.draw(st.sampled_from([16, 32]))
-    got = hashing._native_chain(digest, parent, tuple(toks) if as_tuple else toks, offset, blocks, bs)
+    given_ = {"list": toks, "tuple": tuple(toks), "packed": array.array("q", toks).tobytes()}[form]
+    got = hashing._native_chain(digest, parent, given_, offset, blocks, bs)
     want, h = [], parent
     for i in range(blocks):
         block = tuple(toks[offset + i * bs : offset + (i + 1) * bs])
@@ -134,6 +137,11 @@ def test_tokens_the_c_pickle_does_not_write_go_to_pickle() -> None:
         assert hashing._native_chain(digest, h.none_hash, toks, 0, 1, 4) is None
         assert h.chain(None, toks, 0, 1) == [h.hash_block(None, toks)]
     assert hashing._native_chain(digest, h.none_hash, range(8), 0, 2, 4) is None
+    big = array.array("q", [1, 2, 3, 2**40]).tobytes()  # packed, past int32: declined, and pickle hashes the ints
+    assert hashing._native_chain(digest, h.none_hash, big, 0, 1, 4) is None
+    assert h.chain(None, big, 0, 1) == [h.hash_block(None, [1, 2, 3, 2**40])]
+    with pytest.raises(ValueError, match="whole int64s"):
+        hashing._native_chain(digest, h.none_hash, b"\x00" * 12, 0, 1, 1)
     assert h.chain(None, range(8), 0, 2) == h.chain(None, list(range(8)), 0, 2)
     with pytest.raises(ValueError, match="past the tokens"):
         hashing._native_chain(digest, h.none_hash, [1, 2, 3], 0, 1, 4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 from pathlib import Path
 
@@ -33,6 +34,9 @@ def test_token_runs_slice_like_the_tokens_they_stand_for() -> None:
     assert list(t.prefix(320)) == whole[:320]
     assert t.extend(11, 5)[:400] == whole  # extending shares, never changes, what was there
     assert all(0 <= x < 50_000 for x in whole) and len(set(whole)) > 350  # random-looking text
+    for a, b in ((0, 400), (250, 330), (299, 301), (350, 900), (7, 7)):  # the packed form, across runs too
+        packed = t.packed(a, b)
+        assert (packed if isinstance(packed, list) else array.array("q", packed).tolist()) == whole[a:b]
 
 
 # Without a compiler the C token runs are not built and numpy serves; `make test` sets LLMD_REQUIRE_NATIVE=1 so a build
@@ -48,6 +52,9 @@ def test_c_token_runs_are_the_python_ones(seed: int) -> None:
     for start, stop, vocab in [(0, 0, 10), (0, 5, 32_000), (3, 16, 7), (0, 17, 32_000), (10**9, 10**9 + 300, 151_552)]:
         assert native(seed, start, stop, vocab) == py(seed, start, stop, vocab)  # numpy's path and the int one
     assert native(seed, 9, 3, 50) == []
+    for start, stop, vocab in [(0, 5, 32_000), (10**9, 10**9 + 300, 151_552), (9, 3, 50)]:
+        packed = sim_tokens.run_tokens_packed(seed, start, stop, vocab)
+        assert array.array("q", packed).tolist() == native(seed, start, stop, vocab)
     with pytest.raises(ValueError, match="vocab must be >= 1"):
         native(seed, 0, 3, 0)
 

@@ -3,7 +3,8 @@
  * vLLM hashes a block as H(pickle.dumps((parent_hash, tuple(token_ids), extra_keys), protocol=5)) for the sha256 and
  * xxhash algorithms. For a plain-text block that pickle is fixed in shape: the parent's bytes, a tuple of small ints,
  * None. Writing it straight from the token list saves the tuple, the Pickler and its memo for every block; the digest
- * itself stays the caller's (hashlib's or xxhash's own function). The cluster simulator hashes every new block of
+ * itself stays the caller's (hashlib's or xxhash's own function). Tokens come as a list or tuple of ints, or packed as
+ * native int64s in bytes (the simulator's token runs, llmd/sim/_tokens.c: no int object a token). The cluster simulator hashes every new block of
  * every agent's context (~16K blocks a simulated second at 544 GPUs), where this was its largest fixed cost.
  *
  * The bytes are CPython's _pickle.c output for that shape (protocol 5): PROTO 5, one FRAME, SHORT_BINBYTES + MEMOIZE,
@@ -19,16 +20,23 @@
 
 #define FRAME_TARGET (64 * 1024) /* pickle's _FRAME_SIZE_TARGET: a larger pickle would be framed differently */
 
-/* Tokens' pickled bytes for one block, into out (5 bytes a token at most); -1 where a token does not fit the shape. */
-static Py_ssize_t put_tokens(PyObject **items, Py_ssize_t n, unsigned char *out) {
+/* Tokens' pickled bytes for one block, into out (5 bytes a token at most); -1 where a token does not fit the shape.
+ * The tokens are Python ints (items) or native int64s (packed, where items is NULL). */
+static Py_ssize_t put_tokens(PyObject **items, const int64_t *packed, Py_ssize_t n, unsigned char *out) {
     unsigned char *p = out;
     if (n > 3) *p++ = '('; /* MARK */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = items[i];
-        if (!PyLong_CheckExact(t)) return -1; /* bool pickles as NEWTRUE/NEWFALSE, subclasses otherwise */
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-        if (overflow || v < INT32_MIN || v > INT32_MAX) return -1;
+        long long v;
+        if (items != NULL) {
+            PyObject *t = items[i];
+            if (!PyLong_CheckExact(t)) return -1; /* bool pickles as NEWTRUE/NEWFALSE, subclasses otherwise */
+            int overflow = 0;
+            v = PyLong_AsLongLongAndOverflow(t, &overflow);
+            if (overflow) return -1;
+        } else {
+            memcpy(&v, packed + i, sizeof v); /* bytes' buffer carries no alignment promise */
+        }
+        if (v < INT32_MIN || v > INT32_MAX) return -1;
         if (v >= 0 && v <= 0xff) {
             *p++ = 'K';
             *p++ = (unsigned char)v;
@@ -51,13 +59,26 @@ static PyObject *chain(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *digest, *parent, *tokens;
     Py_ssize_t offset, count, bs;
     if (!PyArg_ParseTuple(args, "OSOnnn", &digest, &parent, &tokens, &offset, &count, &bs)) return NULL;
-    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) Py_RETURN_NONE;
-    Py_ssize_t have = PySequence_Fast_GET_SIZE(tokens);
+    PyObject **items = NULL;
+    const int64_t *packed = NULL;
+    Py_ssize_t have;
+    if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
+        items = PySequence_Fast_ITEMS(tokens);
+        have = PySequence_Fast_GET_SIZE(tokens);
+    } else if (PyBytes_CheckExact(tokens)) {
+        if (PyBytes_GET_SIZE(tokens) % (Py_ssize_t)sizeof(int64_t)) {
+            PyErr_SetString(PyExc_ValueError, "chain: packed tokens must be whole int64s");
+            return NULL;
+        }
+        packed = (const int64_t *)PyBytes_AS_STRING(tokens);
+        have = PyBytes_GET_SIZE(tokens) / (Py_ssize_t)sizeof(int64_t);
+    } else {
+        Py_RETURN_NONE;
+    }
     if (bs < 1 || count < 0 || offset < 0 || offset + count * bs > have) {
         PyErr_SetString(PyExc_ValueError, "chain: blocks past the tokens given");
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(tokens);
     /* Header 2 + frame 9, parent 2 + 255 + 1, tokens (MARK 1 + 5 each + TUPLE 1 + MEMOIZE 1), tail 4. */
     Py_ssize_t cap = 11 + 258 + 3 + 5 * bs + 4;
     if (cap - 11 > FRAME_TARGET) Py_RETURN_NONE;
@@ -79,7 +100,8 @@ static PyObject *chain(PyObject *Py_UNUSED(m), PyObject *args) {
         memcpy(p, PyBytes_AS_STRING(h), (size_t)plen);
         p += plen;
         *p++ = 0x94; /* MEMOIZE */
-        Py_ssize_t t = put_tokens(items + offset + b * bs, bs, p);
+        Py_ssize_t at = offset + b * bs;
+        Py_ssize_t t = put_tokens(items ? items + at : NULL, packed ? packed + at : NULL, bs, p);
         if (t < 0) goto fallback;
         p += t;
         *p++ = 'N';  /* NONE */
@@ -126,7 +148,7 @@ error:
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS,
      "chain(digest, parent, tokens, offset, count, block_size) -> the chained hashes of `count` plain-text blocks of "
-     "`tokens` (a list or tuple) from `offset`: digest(pickle of (parent, block tokens, None)) each, or None where "
+     "`tokens` (a list or tuple of ints, or native int64s packed in bytes) from `offset`: digest(pickle of (parent, block tokens, None)) each, or None where "
      "the input is not of the shape written here (the caller pickles then)"},
     {NULL, NULL, 0, NULL},
 };

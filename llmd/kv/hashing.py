@@ -132,15 +132,18 @@ class BlockHasher:
         """One block: H((parent or NONE_HASH, tuple(tokens), extra_keys))."""
         return self.hash_fn((parent or self.none_hash, tuple(tokens), extra_keys))
 
-    def chain(self, parent: bytes | None, tokens: Sequence[int], offset: int, count: int) -> list[bytes]:
+    def chain(self, parent: bytes | None, tokens: Sequence[int] | bytes, offset: int, count: int) -> list[bytes]:
         """The hashes of `count` plain-text blocks (no extra keys) of `tokens` from `offset`, chained after `parent`
-        (None: the first block): `hash_block` for each, without a call per block (agents' contexts hash thousands)."""
+        (None: the first block): `hash_block` for each, without a call per block (agents' contexts hash thousands).
+        `tokens` may be native int64s packed in bytes (the cluster simulator's token runs)."""
         fn, bs = self.hash_fn, self.block_size
         h = parent or self.none_hash
         if self._digest is not None:
             got = _native_chain(self._digest, h, tokens, offset, count, bs)
             if got is not None:  # None: tokens it does not write (not a list or tuple of int32s): pickle does
                 return got  # type: ignore[no-any-return]
+        if isinstance(tokens, bytes):
+            tokens = memoryview(tokens).cast("q").tolist()
         out: list[bytes] = []
         append = out.append
         for a in range(offset, offset + count * bs, bs):

@@ -1,7 +1,8 @@
 /* The cluster simulator's pseudo-random token runs in C: tokens.py's run_tokens, the same values.
  *
  * Why: agents' contexts and engines' outputs read their tokens on demand (a turn's new tokens to hash, a decode's
- * output), and numpy's fixed cost per call plus its array-to-list conversion made that ~6% of a 544-GPU run.
+ * output), and numpy's fixed cost per call plus its array-to-list conversion made that ~6% of a 544-GPU run. The
+ * tokens a context's new blocks hash come packed (run_tokens_packed): the block hasher's C pickle reads them there.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,10 +41,43 @@ static PyObject *run_tokens(PyObject *Py_UNUSED(m), PyObject *args) {
     return out;
 }
 
+/* The same tokens packed as native int64s in a bytes object: what the block hasher's C pickle reads (a context's new
+ * tokens are hashed, never looked at one by one: no int object is made for each of the ~1M a simulated second). */
+static PyObject *run_tokens_packed(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *seed_obj;
+    Py_ssize_t start, stop;
+    long long vocab;
+    if (!PyArg_ParseTuple(args, "OnnL", &seed_obj, &start, &stop, &vocab)) return NULL;
+    if (vocab < 1) {
+        PyErr_SetString(PyExc_ValueError, "vocab must be >= 1");
+        return NULL;
+    }
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(seed_obj);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t n = stop > start ? stop - start : 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) return NULL;
+    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t x = (uint64_t)(start + k) * 0x9E3779B97F4A7C15ULL + seed;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+        x ^= x >> 31;
+        dst[k] = (int64_t)(x % (uint64_t)vocab);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"run_tokens", run_tokens, METH_VARARGS,
      "run_tokens(seed, start, stop, vocab) -> tokens [start, stop) of run `seed`: splitmix64 of (seed, position) "
      "modulo vocab"},
+    {"run_tokens_packed", run_tokens_packed, METH_VARARGS,
+     "run_tokens_packed(seed, start, stop, vocab) -> run_tokens' tokens as native int64s in bytes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -57,7 +57,9 @@ class ContextBuilder:
         cstart, cfull = len(ctx.chunks), n // ct if self.chunks else 0
         # The new tokens both kinds of hash read, computed once.
         lo = min(done * bs if full > done else n, cstart * ct if cfull > cstart else n)
-        toks = tokens.tokens(lo, max(full * bs, cfull * ct))
+        hi = max(full * bs, cfull * ct)
+        # Only chunk hashes read the tokens as ints; block hashes take them packed (no int object a token).
+        toks = tokens.tokens(lo, hi) if cfull > cstart else tokens.packed(lo, hi)
         hashes, h64 = ctx.hashes, ctx.h64
         if full > done:
             new = self.hasher.chain(hashes[-1] if hashes else None, toks, done * bs - lo, full - done)

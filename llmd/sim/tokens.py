@@ -55,8 +55,9 @@ try:
     if os.environ.get("LLMD_SIM_TOKENS_PURE_PYTHON") == "1":
         raise ImportError("LLMD_SIM_TOKENS_PURE_PYTHON=1")
     from llmd.sim._tokens import run_tokens as native_run_tokens
+    from llmd.sim._tokens import run_tokens_packed
 except ImportError:  # no compiler where llmd was installed (or asked not to): numpy serves, the same values
-    native_run_tokens = None
+    native_run_tokens = run_tokens_packed = None
 run_tokens = native_run_tokens or py_run_tokens
 
 
@@ -120,6 +121,26 @@ class TokenRuns(Sequence[int]):
     def __add__(self, other: object) -> list[int]:
         # SimRequest.tokens joins a prompt slice with output tokens: slices are lists already; this covers whole runs.
         return self.tokens(0, self._len) + list(other)  # type: ignore[call-overload]
+
+    def packed(self, start: int, stop: int) -> bytes | list[int]:
+        """Tokens [start, stop) as native int64s in bytes, for a reader that hashes them (BlockHasher.chain) and
+        never looks at one: no int object a token. A list (`tokens`) where the C runs are not built."""
+        if run_tokens_packed is None:
+            return self.tokens(start, stop)
+        stop = min(stop, self._len)
+        if stop <= start:
+            return b""
+        parts: list[bytes] = []
+        k = bisect_right(self._starts, start) - 1
+        runs, starts = self._runs, self._starts
+        while start < stop:
+            seed, off, length = runs[k]
+            s = starts[k]
+            end = min(stop, s + length)
+            parts.append(run_tokens_packed(seed, off + start - s, off + end - s, self.vocab))
+            start = end
+            k += 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) as a list."""
