@@ -213,7 +213,7 @@ class SimRouter:
             max_tokens,
             kv_transfer_params=kv,
             output_script=call.output,
-            prompt_block_hashes=list(call.ctx.hashes),
+            prompt_block_hashes=call.ctx.hashes,  # the engine copies what it keeps
         )
 
     def _to_engine(

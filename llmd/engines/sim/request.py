@@ -91,7 +91,7 @@ class SimRequest:
     kv_transfer_params: dict[str, Any] | None = None
     output_script: Sequence[int] | None = None
     skip_reading_prefix_cache: bool = False  # vLLM: requests that want prompt logprobs compute every token
-    prompt_block_hashes: list[bytes] | None = None
+    prompt_block_hashes: Sequence[bytes] | None = None
 
     # --- engine-owned state -------------------------------------------------------------------------------------
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -163,12 +163,14 @@ class SimRequest:
         hashes = self.block_hashes
         bs = hasher.block_size
         n_full = n // bs
-        if len(hashes) >= n_full:
+        i = len(hashes)
+        if i >= n_full:
             return
-        while len(hashes) < n_full:
-            i = len(hashes)
-            extra = (("cache_salt", self.cache_salt),) if i == 0 and self.cache_salt else None
-            hashes.append(hasher.hash_block(hashes[-1] if hashes else None, self.tokens(i * bs, (i + 1) * bs), extra))
+        if i == 0 and self.cache_salt:
+            hashes.append(hasher.hash_block(None, self.tokens(0, bs), (("cache_salt", self.cache_salt),)))
+            i = 1
+        if i < n_full:  # plain blocks, chained in one call (the hasher's C pickle where built)
+            hashes += hasher.chain(hashes[-1] if hashes else None, self.tokens(i * bs, n_full * bs), 0, n_full - i)
 
     def draw_tokens(self, n: int, sampler: TokenSampler) -> list[int]:
         script = self.script_tokens
