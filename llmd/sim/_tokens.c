@@ -8,30 +8,44 @@
 #include <Python.h>
 #include <stdint.h>
 
-static PyObject *run_tokens(PyObject *Py_UNUSED(m), PyObject *args) {
+/* splitmix64 of (seed, position) modulo the vocabulary. */
+static inline uint64_t token_at(uint64_t seed, Py_ssize_t pos, uint64_t vocab) {
+    uint64_t x = (uint64_t)pos * 0x9E3779B97F4A7C15ULL + seed;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    x ^= x >> 31;
+    return x % vocab;
+}
+
+/* (seed, start, stop, vocab) as both functions take them; the count of tokens in *n. 0 on an error set. */
+static int parse_run(PyObject *args, uint64_t *seed, Py_ssize_t *start, Py_ssize_t *n, uint64_t *vocab) {
     PyObject *seed_obj;
-    Py_ssize_t start, stop;
-    long long vocab;
-    if (!PyArg_ParseTuple(args, "OnnL", &seed_obj, &start, &stop, &vocab)) return NULL;
-    if (vocab < 1) {
+    Py_ssize_t stop;
+    long long v;
+    if (!PyArg_ParseTuple(args, "OnnL", &seed_obj, start, &stop, &v)) return 0;
+    if (v < 1) {
         PyErr_SetString(PyExc_ValueError, "vocab must be >= 1");
-        return NULL;
+        return 0;
     }
-    uint64_t seed = PyLong_AsUnsignedLongLongMask(seed_obj); /* seed & (2**64 - 1), negatives too */
-    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    if (start < 0) {
+    *seed = PyLong_AsUnsignedLongLongMask(seed_obj); /* seed & (2**64 - 1), negatives too */
+    if (*seed == (uint64_t)-1 && PyErr_Occurred()) return 0;
+    if (*start < 0) {
         PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
+        return 0;
     }
-    Py_ssize_t n = stop > start ? stop - start : 0;
+    *n = stop > *start ? stop - *start : 0;
+    *vocab = (uint64_t)v;
+    return 1;
+}
+
+static PyObject *run_tokens(PyObject *Py_UNUSED(m), PyObject *args) {
+    uint64_t seed, vocab;
+    Py_ssize_t start, n;
+    if (!parse_run(args, &seed, &start, &n, &vocab)) return NULL;
     PyObject *out = PyList_New(n);
     if (out == NULL) return NULL;
     for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t x = (uint64_t)(start + k) * 0x9E3779B97F4A7C15ULL + seed; /* splitmix64 of (seed, position) */
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-        x ^= x >> 31;
-        PyObject *t = PyLong_FromUnsignedLongLong(x % (uint64_t)vocab);
+        PyObject *t = PyLong_FromUnsignedLongLong(token_at(seed, start + k, vocab));
         if (t == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -44,31 +58,13 @@ static PyObject *run_tokens(PyObject *Py_UNUSED(m), PyObject *args) {
 /* The same tokens packed as native int64s in a bytes object: what the block hasher's C pickle reads (a context's new
  * tokens are hashed, never looked at one by one: no int object is made for each of the ~1M a simulated second). */
 static PyObject *run_tokens_packed(PyObject *Py_UNUSED(m), PyObject *args) {
-    PyObject *seed_obj;
-    Py_ssize_t start, stop;
-    long long vocab;
-    if (!PyArg_ParseTuple(args, "OnnL", &seed_obj, &start, &stop, &vocab)) return NULL;
-    if (vocab < 1) {
-        PyErr_SetString(PyExc_ValueError, "vocab must be >= 1");
-        return NULL;
-    }
-    uint64_t seed = PyLong_AsUnsignedLongLongMask(seed_obj);
-    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    if (start < 0) {
-        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
-    }
-    Py_ssize_t n = stop > start ? stop - start : 0;
+    uint64_t seed, vocab;
+    Py_ssize_t start, n;
+    if (!parse_run(args, &seed, &start, &n, &vocab)) return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     if (out == NULL) return NULL;
     int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t x = (uint64_t)(start + k) * 0x9E3779B97F4A7C15ULL + seed;
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-        x ^= x >> 31;
-        dst[k] = (int64_t)(x % (uint64_t)vocab);
-    }
+    for (Py_ssize_t k = 0; k < n; k++) dst[k] = (int64_t)token_at(seed, start + k, vocab);
     return out;
 }
 

@@ -127,34 +127,28 @@ class TokenRuns(Sequence[int]):
         never looks at one: no int object a token. A list (`tokens`) where the C runs are not built."""
         if run_tokens_packed is None:
             return self.tokens(start, stop)
-        stop = min(stop, self._len)
-        if stop <= start:
-            return b""
-        parts: list[bytes] = []
-        k = bisect_right(self._starts, start) - 1
-        runs, starts = self._runs, self._starts
-        while start < stop:
-            seed, off, length = runs[k]
-            s = starts[k]
-            end = min(stop, s + length)
-            parts.append(run_tokens_packed(seed, off + start - s, off + end - s, self.vocab))
-            start = end
-            k += 1
+        parts = [run_tokens_packed(seed, a, b, self.vocab) for seed, a, b in self._pieces(start, stop)]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) as a list."""
-        stop = min(stop, self._len)
-        if stop <= start:
-            return []
         out: list[int] = []
-        k = bisect_right(self._starts, start) - 1
-        runs, starts = self._runs, self._starts
-        while start < stop:
-            seed, off, length = runs[k]
-            s = starts[k]
-            end = min(stop, s + length)
-            out += run_tokens(seed, off + start - s, off + end - s, self.vocab)
-            start = end
-            k += 1
+        for seed, a, b in self._pieces(start, stop):
+            out += run_tokens(seed, a, b, self.vocab)
+        return out
+
+    def _pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Tokens [start, stop) as (seed, start, stop) in each run's own stream, in order."""
+        stop = min(stop, self._len)
+        out = []
+        if start < stop:
+            k = bisect_right(self._starts, start) - 1
+            runs, starts = self._runs, self._starts
+            while start < stop:
+                seed, off, length = runs[k]
+                s = starts[k]
+                end = min(stop, s + length)
+                out.append((seed, off + start - s, off + end - s))
+                start = end
+                k += 1
         return out
