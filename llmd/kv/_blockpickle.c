@@ -81,7 +81,7 @@ static PyObject *chain(PyObject *Py_UNUSED(m), PyObject *args) {
     }
     /* Header 2 + frame 9, parent 2 + 255 + 1, tokens (MARK 1 + 5 each + TUPLE 1 + MEMOIZE 1), tail 4. */
     Py_ssize_t cap = 11 + 258 + 3 + 5 * bs + 4;
-    if (cap - 11 > FRAME_TARGET) Py_RETURN_NONE;
+    if (cap - 11 >= FRAME_TARGET) Py_RETURN_NONE; /* pickle may split a frame from there on */
     unsigned char *buf = PyMem_Malloc((size_t)cap);
     PyObject *out = PyList_New(0);
     if (buf == NULL || out == NULL) {
