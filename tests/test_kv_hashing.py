@@ -142,11 +142,11 @@ def test_tokens_the_c_pickle_does_not_write_go_to_pickle() -> None:
     assert h.chain(None, big, 0, 1) == [h.hash_block(None, [1, 2, 3, 2**40])]
     # The largest block written in C is one pickle frame at most (pickle splits frames past 64 KiB): the next size is
     # left to pickle.
-    parent, wide = b"x" * 255, [2**31 - 1] * 13_054
+    parent, wide = b"x" * 255, [2**31 - 1] * 13_055
     seen: list[bytes] = []
-    assert hashing._native_chain(lambda b: seen.append(b) or digest(b), parent, wide, 0, 1, 13_053) is not None
-    assert seen == [pickle.dumps((parent, tuple(wide[:13_053]), None), protocol=5)]
-    assert hashing._native_chain(digest, parent, wide, 0, 1, 13_054) is None
+    assert hashing._native_chain(lambda b: seen.append(b) or digest(b), parent, wide, 0, 1, 13_054) is not None
+    assert seen == [pickle.dumps((parent, tuple(wide[:13_054]), None), protocol=5)]
+    assert hashing._native_chain(digest, parent, wide, 0, 1, 13_055) is None
     with pytest.raises(ValueError, match="whole int64s"):
         hashing._native_chain(digest, h.none_hash, b"\x00" * 12, 0, 1, 1)
     assert h.chain(None, range(8), 0, 2) == h.chain(None, list(range(8)), 0, 2)
