@@ -116,8 +116,8 @@ def test_the_c_pickle_is_pickles_own_bytes(bs, blocks, offset, data, form) -> No
         return xxhash.xxh3_128_digest(b)
 
     parent = b"p" * data.draw(st.sampled_from([16, 32]))
-    given_ = {"list": toks, "tuple": tuple(toks), "packed": array.array("q", toks).tobytes()}[form]
-    got = hashing._native_chain(digest, parent, given_, offset, blocks, bs)
+    tokens_in = {"list": toks, "tuple": tuple(toks), "packed": array.array("q", toks).tobytes()}[form]
+    got = hashing._native_chain(digest, parent, tokens_in, offset, blocks, bs)
     want, h = [], parent
     for i in range(blocks):
         block = tuple(toks[offset + i * bs : offset + (i + 1) * bs])

@@ -2,10 +2,11 @@
  *
  * vLLM hashes a block as H(pickle.dumps((parent_hash, tuple(token_ids), extra_keys), protocol=5)) for the sha256 and
  * xxhash algorithms. For a plain-text block that pickle is fixed in shape: the parent's bytes, a tuple of small ints,
- * None. Writing it straight from the token list saves the tuple, the Pickler and its memo for every block; the digest
+ * None. Writing it straight from the tokens saves the tuple, the Pickler and its memo for every block; the digest
  * itself stays the caller's (hashlib's or xxhash's own function). Tokens come as a list or tuple of ints, or packed as
- * native int64s in bytes (the simulator's token runs, llmd/sim/_tokens.c: no int object a token). The cluster simulator hashes every new block of
- * every agent's context (~16K blocks a simulated second at 544 GPUs), where this was its largest fixed cost.
+ * native int64s in bytes (the simulator's token runs, llmd/sim/_tokens.c: no int object a token). The cluster
+ * simulator hashes every new block of every agent's context (~16K blocks a simulated second at 544 GPUs), where this
+ * was its largest fixed cost.
  *
  * The bytes are CPython's _pickle.c output for that shape (protocol 5): PROTO 5, one FRAME, SHORT_BINBYTES + MEMOIZE,
  * the tuple (MARK ints TUPLE, or TUPLE1/2/3 for up to three) + MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP; ints as BININT1
@@ -148,8 +149,8 @@ error:
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS,
      "chain(digest, parent, tokens, offset, count, block_size) -> the chained hashes of `count` plain-text blocks of "
-     "`tokens` (a list or tuple of ints, or native int64s packed in bytes) from `offset`: digest(pickle of (parent, block tokens, None)) each, or None where "
-     "the input is not of the shape written here (the caller pickles then)"},
+     "`tokens` (a list or tuple of ints, or native int64s packed in bytes) from `offset`: digest(pickle of (parent, "
+     "block tokens, None)) each, or None where the input is not of the shape written here (the caller pickles then)"},
     {NULL, NULL, 0, NULL},
 };
 
