@@ -18,7 +18,6 @@ from llmd.metrics import read_requests, read_timeseries
 from llmd.report.summary import summarize_frames
 from llmd.sim import tokens as sim_tokens
 from llmd.sim.context import ContextBuilder
-from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
 from llmd.sim.run import ABORTED, Simulation
 from llmd.sim.tokens import TokenRuns
@@ -80,19 +79,6 @@ def test_context_hashes_are_the_engines_block_hashes() -> None:
     for seed, n in ((1, 40), (2, 7), (3, 100), (4, 1)):
         other = bare.extend(other, TokenRuns(vocab=32_000).extend(seed, n))
     assert other.hashes == ctx.hashes and other.h64 == ctx.h64 and other.chunks == ()
-
-
-def test_event_loop_runs_in_time_order_and_ties_in_scheduling_order() -> None:
-    loop = EventLoop()
-    seen: list[tuple[float, str]] = []
-    loop.at(2.0, lambda: seen.append((loop.now, "b")))
-    loop.at(1.0, lambda: seen.append((loop.now, "a")))
-    loop.at(2.0, lambda: seen.append((loop.now, "c")))
-    loop.at(5.0, lambda: seen.append((loop.now, "late")))
-    assert loop.run(3.0) is True
-    assert seen == [(1.0, "a"), (2.0, "b"), (2.0, "c")]
-    loop.run(10.0)
-    assert seen[-1] == (5.0, "late") and loop.events == 4
 
 
 @pytest.fixture(scope="module")

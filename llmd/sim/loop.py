@@ -1,18 +1,20 @@
 """The simulator's clock: a discrete-event loop in virtual seconds. Nothing sleeps; time jumps to the next event.
 
 Events at the same instant run in the order they were scheduled (a sequence number breaks ties), so a run is a pure
-function of its inputs and seed.
+function of its inputs and seed. `EventLoop` is the C build of this class (llmd/sim/_loop.c: the same order and clock,
+without a tuple per event) where it was compiled; `PyEventLoop` is this source, which serves where it was not.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
 
-class EventLoop:
+class PyEventLoop:
     """`at(t, fn, *args)` schedules; `run(until)` executes events in time order up to `until` (inclusive)."""
 
     __slots__ = ("_heap", "_seq", "events", "now", "stopped")
@@ -54,3 +56,12 @@ class EventLoop:
 
     def stop(self) -> None:
         self.stopped = True
+
+
+EventLoop: type[PyEventLoop]
+try:
+    if os.environ.get("LLMD_SIM_LOOP_PURE_PYTHON") == "1":
+        raise ImportError("LLMD_SIM_LOOP_PURE_PYTHON=1")
+    from llmd.sim._loop import EventLoop  # type: ignore[no-redef]
+except ImportError:  # no compiler where llmd was installed (or asked not to): the same loop in Python
+    EventLoop = PyEventLoop
