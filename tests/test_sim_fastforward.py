@@ -200,11 +200,30 @@ def test_a_run_stops_before_anything_that_changes_the_batch() -> None:
     now = core.step(0.0).duration_s
     run = core.plan_decode(now)
     assert run is not None and 2 <= len(run) < 60 / 1.0
-    # every request keeps k + 2 tokens to go at each step's start: no finish, no capped drafts inside a run
-    left = 59 - run.gained_between(0, 0, len(run) - 1)
-    assert left >= 5
+    # no finish inside a run: the request has tokens to go after its last step
+    assert 59 - run.gained_between(0, 0, len(run)) >= 1
     core.add_request(SimRequest("b", list(range(50)), 10))
     assert core.plan_decode(now) is None  # an arrival waits: the next step admits it
+
+
+def test_a_run_goes_on_while_a_request_near_its_end_has_its_drafts_capped() -> None:
+    """A request with fewer than k + 1 tokens left is scheduled only the drafts it can use: the run goes on through
+    those steps and ends before the one that finishes it, which is a single step's (that such runs are what single
+    steps do is test_fast_forward_matches_single_steps')."""
+    core = EngineCore(
+        SimEngineConfig(block_size=16, num_gpu_blocks=4000, max_model_len=4096, num_speculative_tokens=3), LAT
+    )
+    core.add_request(SimRequest("a", list(range(100)), 60))
+    core.add_request(SimRequest("b", list(range(200, 300)), 10))
+    now = core.step(0.0).duration_s  # both prefilled: one token each
+    run = core.plan_decode(now)
+    assert run is not None
+    left = [9 - run.gained_between(1, 0, s) for s in range(len(run) + 1)]  # b's tokens to go at each step's start
+    assert left == [9, 5, 2, 1]  # the last step began with 2 to go: one draft, not three
+    core.advance(run, len(run))
+    assert core.plan_decode(now + sum(run.durations)) is None  # b finishes in the next step: a single step
+    out = {o.request_id: o for o in core.step(now + sum(run.durations)).outputs}
+    assert out["b"].finished and not out["a"].finished and "b" not in core.requests
 
 
 @pytest.mark.parametrize(

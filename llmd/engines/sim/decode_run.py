@@ -1,12 +1,14 @@
 """Decode fast-forward: k decode-only steps of an engine core planned at once, carried out when their time comes.
 
-While every running request decodes and nothing can change the batch (no request to admit or a full batch, no finish
-and no capped drafts within reach, no lease to expire, KV blocks enough for every step), the next steps are fixed by
-the MTP acceptance draws alone. `plan` works out k steps' tokens, durations and KV work in one pass over the steps;
-`DecodeRun.apply` then carries out the first j of them on the core, exactly as j calls of `EngineCore.step` would (the
-same tokens, blocks, cached blocks, KV events in the same order, MTP draws consumed). A driver applies the steps that
-have started when something from outside touches the core (an arrival, a finished pull, a released lease) and drops
-the rest: nothing of them was done, and the next plan computes them again for the new batch.
+While every running request decodes and nothing can change the batch (no request to admit or a full batch, no finish,
+no lease to expire, KV blocks enough for every step), the next steps are fixed by the MTP acceptance draws alone; a
+request near its end has its drafts capped by the tokens it has left, as the scheduler caps them, up to the step where
+one would finish (a single step: it changes the batch). `plan` works out k steps' tokens, durations and KV work in one
+pass over the steps; `DecodeRun.apply` then carries out the first j of them on the core, exactly as j calls of
+`EngineCore.step` would (the same tokens, blocks, cached blocks, KV events in the same order, MTP draws consumed). A
+driver applies the steps that have started when something from outside touches the core (an arrival, a finished pull,
+a released lease) and drops the rest: nothing of them was done, and the next plan computes them again for the new
+batch.
 
 Why: in a large simulated fleet most engine steps are small decode batches, and each step through `EngineCore.step`
 (scheduling, sampling, one output per sequence) costs far more than the few numbers that differ from the last one.
@@ -49,7 +51,6 @@ class DecodeRun:
         "cut",
         "durations",
         "gained",
-        "n_scheduled",
         "out0",
         "requests",
         "scripted",
@@ -62,21 +63,21 @@ class DecodeRun:
         start: float,
         durations: list[float],
         gained: list[int],
-        events: list[tuple[int, int]],
+        events: list[tuple[int, int, int]],
         draws: list[int] | None,
-        n_scheduled: int,
     ) -> None:
         self.requests = requests
         self.start = start
         self.durations = durations
         self.gained = gained
-        self._events = events  # (step, request index) where allocate_slots has blocks to add or cache, in step order
-        self._event_steps = {st for st, _ in events}
+        # (step, request index, tokens scheduled: 1 + drafts) where allocate_slots has blocks to add or cache, in step
+        # order.
+        self._events = events
+        self._event_steps = {e[0] for e in events}
         self._event_list = sorted(self._event_steps)
         self._next_event = 0
         self._n = len(requests)
         self._draws = draws  # MTP draws consumed by the end of each step
-        self.n_scheduled = n_scheduled  # tokens each request is scheduled per step: 1 + drafts
         self.out0 = [len(r.output_token_ids) for r in requests]
         # Every request's tokens of the whole run are in its output script: outputs need no step carried out.
         last = len(durations) - 1
@@ -108,10 +109,9 @@ class DecodeRun:
         events = self._events
         p = self._next_event
         if p < len(events) and events[p][0] < j:
-            n_sched = self.n_scheduled
             cur = -1
             while p < len(events) and events[p][0] < j:
-                s, i = events[p]
+                s, i, n_sched = events[p]
                 p += 1
                 if s != cur:
                     if kv._cpu_jobs:
@@ -188,7 +188,8 @@ class DecodeRun:
 
 def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     """The decode-only steps from `now` that nothing inside the core can change, or None when the next step is not
-    one (a prefill, an admission, a finish or capped drafts in reach, too few free blocks): step() it then."""
+    one (a prefill, an admission, a finish, too few free blocks): step() it then. The run ends before the first step
+    in which a request would finish."""
     s = core.scheduler
     running = s.running
     if not running or core._pending_outputs:
@@ -217,10 +218,10 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         rem.append(min(r.max_tokens - n_out, max_len - nt))
         blocks.append(len(r.block_ids))
         cached.append(r.num_cached_blocks)
-    # A step is safe while every request has k_spec + 2 tokens left at its start: even all drafts accepted, it cannot
-    # finish there, and no draft is capped. Each step gains at least one token, so at most this many steps are.
-    reach = min(rem) - k_spec - 1
-    if reach < 2:
+    # Each step gains each request at least one token, so the first finish comes by step min(rem) - 1 (0-based): a run
+    # of at least two steps needs three tokens left everywhere.
+    reach = min(rem)
+    if reach < 3:
         return None
     lat = core.latency
     mtp = core._mtp_draws
@@ -240,41 +241,60 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         return None  # a latency model whose draws we cannot replay in bulk: single steps
     else:
         steps = min(max_steps, reach)
-    cap = k_spec if k_spec < k_lat else k_lat  # drafts the engine verifies of those the model samples
     # One pass over the steps, each as step() would take it, until one would not be a plain decode step: a request
-    # near its end (k_spec + 2 tokens), or more new blocks than are free (it would preempt).
+    # finishes in it, or it needs more new blocks than are free (it would preempt). A request with fewer than
+    # k_spec + 1 tokens left is scheduled only the drafts it can use (EngineScheduler.schedule): it holds and allocates
+    # for fewer, keeps at most that many of the drafts the model accepts, and with none to verify draws nothing.
     bs = core.kv.block_size
     free = core.kv.num_free_blocks
-    need_left = k_spec + 2
+    # Per request, the tokens its blocks hold and where its next full block ends: a step needs a new block or caches
+    # one where its tokens cross these (compared, not divided, at every step).
+    held = [b * bs for b in blocks]
+    next_full = [(c + 1) * bs for c in cached]
     gained: list[int] = []  # gained[s * n + i]: tokens request i has by the end of step s
     before = [0] * n  # ... by the start of the step under way
     contexts: list[list[int]] = []  # each step's contexts, for its duration
-    events: list[tuple[int, int]] = []  # (step, request) where allocate_slots adds or caches blocks
+    events: list[tuple[int, int, int]] = []  # (step, request, 1 + drafts) where allocate_slots adds or caches blocks
     allocated = 0
     p0 = pos
     k = 0
     while k < steps:
-        if any(rem[i] - before[i] < need_left for i in range(n)):
-            break  # a request near its end: single-step it
         context = [ctx[i] + before[i] for i in range(n)]
-        grown = [max(blocks[i], (context[i] + k_spec + bs - 1) // bs) for i in range(n)]  # blocks held for the step
-        alloc = sum(grown) - sum(blocks)
+        alloc = 0  # new blocks the step takes
+        for i in range(n):
+            d = rem[i] - before[i] - 1
+            need = context[i] + (d if d < k_spec else k_spec)  # slots for the step: its tokens and drafts
+            if need > held[i]:
+                alloc += (need - held[i] + bs - 1) // bs
         if allocated + alloc > free:
             break  # it would preempt: single-step it
-        allocated += alloc
+        mark = len(events)
+        finish = False
         for i in range(n):
-            full = context[i] // bs
-            if grown[i] > blocks[i] or full > cached[i]:
-                events.append((k, i))
-                blocks[i] = grown[i]
-                if full > cached[i]:
-                    cached[i] = full
-            if draws is not None:
+            c = context[i]
+            d = rem[i] - before[i] - 1
+            if d > k_spec:
+                d = k_spec
+            need = c + d
+            if need > held[i] or c >= next_full[i]:
+                events.append((k, i, 1 + d))
+                if need > held[i]:
+                    held[i] += (need - held[i] + bs - 1) // bs * bs
+                if c >= next_full[i]:
+                    next_full[i] = (c // bs + 1) * bs
+            if d > 0 and draws is not None:
                 acc, pos = accepted(u, pos, beta, k_lat)
-                before[i] += (acc if acc < cap else cap) + 1
+                before[i] += (acc if acc < d else d) + 1
             else:
                 before[i] += 1
+            if before[i] >= rem[i]:
+                finish = True  # a step that finishes a request is not planned: single-step it
+                break
             gained.append(before[i])
+        if finish:
+            del events[mark:]  # its draws and gains past the planned steps are never read
+            break
+        allocated += alloc
         if draws is not None:
             draws.append(pos - p0)
         contexts.append(context)
@@ -288,7 +308,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         k = bisect_right(list(accumulate(durations[:-1], initial=now)), expiry)
         if k < 2:
             return None
-    events = events[: bisect_left(events, (k, 0))]
+    events = events[: bisect_left(events, (k, 0, 0))]
     return DecodeRun(
         list(running),
         now,
@@ -296,7 +316,6 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         gained[: k * n],
         events,
         draws[:k] if draws is not None else None,
-        n_sched,
     )
 
 
