@@ -139,7 +139,7 @@ class NativeKVIndex(IndexBase):
         core.evict()
 
     def store(
-        self, holder: Holder, block_hashes: list[int], medium: str | None = GPU, parent: int | None = None
+        self, holder: Holder, block_hashes: Sequence[int], medium: str | None = GPU, parent: int | None = None
     ) -> None:
         """The bulk path: one run of consecutive blocks (`parent`: the block before the first), in one tier."""
         g = 2 * self._id(holder)

@@ -335,7 +335,7 @@ class PyKVIndex(IndexBase):
             tails[seg.hashes[-1]] = seg  # type: ignore[index]
 
     def store(
-        self, holder: Holder, block_hashes: list[int], medium: str | None = GPU, parent: int | None = None
+        self, holder: Holder, block_hashes: Sequence[int], medium: str | None = GPU, parent: int | None = None
     ) -> None:
         """The bulk path: one run of consecutive blocks (`parent`: the block before the first), in one tier."""
         self.apply_events(holder, (BlockStored(block_hashes, parent, [], 0, None, medium, None),))
