@@ -226,6 +226,50 @@ def test_a_run_goes_on_while_a_request_near_its_end_has_its_drafts_capped() -> N
     assert out["b"].finished and not out["a"].finished and "b" not in core.requests
 
 
+def _steps_seen(core: EngineCore, now: float) -> list[tuple[bool, bool, bool]]:
+    """Per step of the next run, carried out one at a time: (has_events, it sent KV events, it took blocks)."""
+    run = core.plan_decode(now)
+    assert run is not None
+    out = []
+    for s in range(len(run)):
+        free = core.kv.num_free_blocks
+        events = core.advance(run, s + 1)
+        out.append((run.has_events(s), bool(events), core.kv.num_free_blocks < free))
+    return out
+
+
+def test_a_run_has_events_only_at_steps_whose_kv_work_is_seen_outside() -> None:
+    """A step that only takes blocks holding no hash sends nothing (no eviction, nothing cached): it needs no event,
+    and its work is carried out with the next step that has one. Taking a cached block evicts it (BlockRemoved)."""
+
+    def core_with(num_gpu_blocks: int) -> EngineCore:
+        cfg = SimEngineConfig(
+            block_size=16, num_gpu_blocks=num_gpu_blocks, max_model_len=600, num_speculative_tokens=3, seed=3
+        )
+        return EngineCore(cfg, LAT)
+
+    # A fresh pool: every free block is unhashed.
+    core = core_with(4000)
+    for i in range(3):
+        core.add_request(SimRequest(f"r{i}", list(range(i * 50, i * 50 + 90 + 7 * i)), 200))
+    now = core.step(0.0).duration_s
+    seen = _steps_seen(core, now)
+    assert all(has == sent for has, sent, _ in seen)
+    assert any(took and not has for has, _, took in seen)  # blocks taken silently
+    # Cached blocks at the queue's front: a finished request's blocks are all that is free, its full ones hashed.
+    core = core_with(40)
+    core.add_request(SimRequest("old", list(range(1000, 1000 + 16 * 30)), 1))
+    t = 0.0
+    while core.has_work():
+        t += core.step(t).duration_s
+    core.add_request(SimRequest("new", list(range(2000, 2000 + 16 * 8 + 5)), 120))  # takes the 9 unhashed
+    t += core.step(t).duration_s
+    assert core.kv.unhashed_free_front(40) == 0
+    seen = _steps_seen(core, t)
+    assert all(has == sent for has, sent, _ in seen)
+    assert any(took and has for has, _, took in seen)  # a taken block evicted a cached one
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -104,6 +104,14 @@ def test_free_queue_order_matches_the_linked_list_through_hits_frees_and_compact
             live.append(req)
         assert kv.free_queue == list(ref.q)
         assert kv.num_free_blocks == len(ref.q)
+        # What the decode planner reads: blocks it can take without evicting a cached one.
+        limit = rng.choice((0, 3, 40))
+        front = 0
+        for b in list(ref.q)[:limit]:
+            if kv.block_hash[b] is not None:
+                break
+            front += 1
+        assert kv.unhashed_free_front(limit) == front
         kv.check_invariants(live)
     assert len(compactions) > 3 if pool_kind == "python" else not compactions
 
@@ -196,6 +204,8 @@ def test_the_c_pool_answers_every_call_as_the_python_pool(seed: int) -> None:
             c.clear_hashes()
         assert c.n_free == py.n_free
         assert c.free_queue() == py.free_queue()
+        m = rng.randint(-1, n)
+        assert c.unhashed_front(m) == py.unhashed_front(m)
         assert c.ref_counts() == py.ref_counts()
         assert c.hashes() == py.hashes()
         assert c.cached == py.cached

@@ -363,6 +363,16 @@ static PyObject *Pool_free_queue(Pool *s, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* How many blocks at the free queue's front, at most `limit`, hold no hash: handing them out evicts nothing. */
+static PyObject *Pool_unhashed_front(Pool *s, PyObject *arg) {
+    Py_ssize_t limit = PyLong_AsSsize_t(arg);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    int32_t S = (int32_t)s->n;
+    Py_ssize_t i = 0;
+    for (int32_t b = s->next[S]; b != S && i < limit && i < s->n_free && s->hash[b] == NULL; b = s->next[b]) i++;
+    return PyLong_FromSsize_t(i);
+}
+
 static PyObject *Pool_ref_counts(Pool *s, PyObject *Py_UNUSED(ignored)) {
     PyObject *out = PyList_New(s->n);
     for (Py_ssize_t i = 0; out != NULL && i < s->n; i++) {
@@ -410,6 +420,8 @@ static PyMethodDef Pool_methods[] = {
      "cache(blocks, hashes) -> 64-bit hashes: each unhashed block takes its hash and joins the map"},
     {"free_reversed", (PyCFunction)Pool_free_reversed, METH_O, "drops one reference of each block, last first"},
     {"free_queue", (PyCFunction)Pool_free_queue, METH_NOARGS, "the free blocks, front (evicted first) first"},
+    {"unhashed_front", (PyCFunction)Pool_unhashed_front, METH_O,
+     "how many blocks at the free queue's front, at most limit, hold no hash (taking them evicts nothing)"},
     {"ref_counts", (PyCFunction)Pool_ref_counts, METH_NOARGS, "every block's ref count"},
     {"hashes", (PyCFunction)Pool_hashes, METH_NOARGS, "every block's hash (None: unhashed)"},
     {"clear_hashes", (PyCFunction)Pool_clear_hashes, METH_NOARGS, "forgets every hash (reset_prefix_cache)"},

@@ -37,6 +37,7 @@ class BlockPoolLike(Protocol):
     def cache(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> list[int]: ...
     def free_reversed(self, blocks: Sequence[int]) -> None: ...
     def free_queue(self) -> list[int]: ...
+    def unhashed_front(self, limit: int) -> int: ...
     def ref_counts(self) -> list[int]: ...
     def hashes(self) -> list[bytes | None]: ...
     def clear_hashes(self) -> None: ...
@@ -229,6 +230,16 @@ class PyBlockPool:
 
     def free_queue(self) -> list[int]:
         return list(self._iter_free())
+
+    def unhashed_front(self, limit: int) -> int:
+        """How many blocks at the free queue's front, at most `limit`, hold no hash (taking them evicts nothing)."""
+        n = 0
+        block_hash = self.block_hash
+        for b in self._iter_free():
+            if n >= limit or block_hash[b] is not None:
+                break
+            n += 1
+        return n
 
     def ref_counts(self) -> list[int]:
         return list(self.ref_cnt)

@@ -64,6 +64,7 @@ class DecodeRun:
         durations: list[float],
         gained: list[int],
         events: list[tuple[int, int, int]],
+        kv_steps: list[int],
         draws: list[int] | None,
     ) -> None:
         self.requests = requests
@@ -73,8 +74,11 @@ class DecodeRun:
         # (step, request index, tokens scheduled: 1 + drafts) where allocate_slots has blocks to add or cache, in step
         # order.
         self._events = events
-        self._event_steps = {e[0] for e in events}
-        self._event_list = sorted(self._event_steps)
+        # The steps among those whose KV work is seen outside: blocks cached (BlockStored, CPU-tier writes) or a cached
+        # block evicted (BlockRemoved). Taking a block that holds no hash changes nothing anyone reads before the next
+        # such step or a sync, which carry it out first (apply keeps the order).
+        self._event_list = kv_steps
+        self._event_steps = set(kv_steps)
         self._next_event = 0
         self._n = len(requests)
         self._draws = draws  # MTP draws consumed by the end of each step
@@ -168,7 +172,8 @@ class DecodeRun:
         return None
 
     def has_events(self, s: int) -> bool:
-        """Whether step s allocates or caches blocks (so has KV events, or CPU-tier writes, to send at its end)."""
+        """Whether step s has KV events or CPU-tier writes to send at its end (it caches blocks, or takes one that
+        evicts a cached block)."""
         return s in self._event_steps
 
     def next_event_step(self, s: int) -> int:
@@ -247,6 +252,9 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     # for fewer, keeps at most that many of the drafts the model accepts, and with none to verify draws nothing.
     bs = core.kv.block_size
     free = core.kv.num_free_blocks
+    # Blocks the run can take without evicting a cached one (the free queue's unhashed front): a step whose only KV
+    # work is taking such blocks sends no KV event, so it needs no event of its own.
+    silent = core.kv.unhashed_free_front(n * ((steps + 1) * n_sched // bs + 2))
     # Per request, the tokens its blocks hold and where its next full block ends: a step needs a new block or caches
     # one where its tokens cross these (compared, not divided, at every step).
     held = [b * bs for b in blocks]
@@ -255,6 +263,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     before = [0] * n  # ... by the start of the step under way
     contexts: list[list[int]] = []  # each step's contexts, for its duration
     events: list[tuple[int, int, int]] = []  # (step, request, 1 + drafts) where allocate_slots adds or caches blocks
+    kv_steps: list[int] = []  # steps with KV work seen outside (DecodeRun._event_list)
     allocated = 0
     p0 = pos
     k = 0
@@ -270,6 +279,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
             break  # it would preempt: single-step it
         mark = len(events)
         finish = False
+        caches = False
         for i in range(n):
             c = context[i]
             d = rem[i] - before[i] - 1
@@ -282,6 +292,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
                     held[i] += (need - held[i] + bs - 1) // bs * bs
                 if c >= next_full[i]:
                     next_full[i] = (c // bs + 1) * bs
+                    caches = True
             if d > 0 and draws is not None:
                 acc, pos = accepted(u, pos, beta, k_lat)
                 before[i] += (acc if acc < d else d) + 1
@@ -294,6 +305,8 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         if finish:
             del events[mark:]  # its draws and gains past the planned steps are never read
             break
+        if caches or (alloc and allocated + alloc > silent):
+            kv_steps.append(k)
         allocated += alloc
         if draws is not None:
             draws.append(pos - p0)
@@ -309,12 +322,14 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         if k < 2:
             return None
     events = events[: bisect_left(events, (k, 0, 0))]
+    kv_steps = kv_steps[: bisect_left(kv_steps, k)]
     return DecodeRun(
         list(running),
         now,
         durations[:k],
         gained[: k * n],
         events,
+        kv_steps,
         draws[:k] if draws is not None else None,
     )
 

@@ -86,6 +86,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.n_free
 
+    def unhashed_free_front(self, limit: int) -> int:
+        """How many blocks the next allocations can take, at most `limit`, without evicting a cached one (so without
+        a KV event)."""
+        return self.pool.unhashed_front(limit)
+
     @property
     def free_queue(self) -> list[int]:
         """The free blocks in eviction order (front first)."""
