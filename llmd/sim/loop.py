@@ -11,7 +11,7 @@ import heapq
 import itertools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class PyEventLoop:
@@ -58,10 +58,12 @@ class PyEventLoop:
         self.stopped = True
 
 
-EventLoop: type[PyEventLoop]
-try:
-    if os.environ.get("LLMD_SIM_LOOP_PURE_PYTHON") == "1":
-        raise ImportError("LLMD_SIM_LOOP_PURE_PYTHON=1")
-    from llmd.sim._loop import EventLoop  # type: ignore[no-redef]
-except ImportError:  # no compiler where llmd was installed (or asked not to): the same loop in Python
-    EventLoop = PyEventLoop
+if TYPE_CHECKING:
+    EventLoop = PyEventLoop  # what annotations name: the C class has the same methods and attributes
+else:
+    try:
+        if os.environ.get("LLMD_SIM_LOOP_PURE_PYTHON") == "1":
+            raise ImportError("LLMD_SIM_LOOP_PURE_PYTHON=1")
+        from llmd.sim._loop import EventLoop
+    except ImportError:  # no compiler where llmd was installed (or asked not to): the same loop in Python
+        EventLoop = PyEventLoop
