@@ -152,9 +152,8 @@ static PyObject *Loop_run(Loop *self, PyObject *arg) {
         n++;
     }
     self->events += n;
-    if (!self->stopped && (!self->n || self->heap[0].t > until)) {
-        if (self->n && until > self->now) self->now = until;
-    }
+    /* Not stopped, events left: the next is past `until`, and the clock moves up to it (with none left it stays). */
+    if (!self->stopped && self->n && until > self->now) self->now = until;
     return PyBool_FromLong(self->n > 0);
 }
 

@@ -269,15 +269,8 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     k = 0
     while k < steps:
         context = [ctx[i] + before[i] for i in range(n)]
-        alloc = 0  # new blocks the step takes
-        for i in range(n):
-            d = rem[i] - before[i] - 1
-            need = context[i] + (d if d < k_spec else k_spec)  # slots for the step: its tokens and drafts
-            if need > held[i]:
-                alloc += (need - held[i] + bs - 1) // bs
-        if allocated + alloc > free:
-            break  # it would preempt: single-step it
         mark = len(events)
+        alloc = 0  # new blocks the step takes
         finish = False
         caches = False
         for i in range(n):
@@ -285,11 +278,13 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
             d = rem[i] - before[i] - 1
             if d > k_spec:
                 d = k_spec
-            need = c + d
+            need = c + d  # slots for the step: its tokens and drafts
             if need > held[i] or c >= next_full[i]:
                 events.append((k, i, 1 + d))
                 if need > held[i]:
-                    held[i] += (need - held[i] + bs - 1) // bs * bs
+                    grow = (need - held[i] + bs - 1) // bs
+                    alloc += grow
+                    held[i] += grow * bs
                 if c >= next_full[i]:
                     next_full[i] = (c // bs + 1) * bs
                     caches = True
@@ -302,8 +297,8 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
                 finish = True  # a step that finishes a request is not planned: single-step it
                 break
             gained.append(before[i])
-        if finish:
-            del events[mark:]  # its draws and gains past the planned steps are never read
+        if finish or allocated + alloc > free:  # or it would preempt: single-step it
+            del events[mark:]  # the step is not planned: its draws and gains past the planned steps are never read
             break
         if caches or (alloc and allocated + alloc > silent):
             kv_steps.append(k)

@@ -82,8 +82,9 @@ class SpeculativeIndex:
             hold = self._by_holder[holder] = _Holding()
         held = hold.chains.longest(hashes)
         if held < n:
-            # The mirror needs only the blocks new to this holder (a tuple: the index reads it without a copy).
-            self._held.store(holder, hashes[held:] if held else hashes)
+            # The mirror needs only the blocks new to this holder (a tuple: the index reads it without a copy, and the
+            # whole of it, [0:], is the tuple itself).
+            self._held.store(holder, hashes[held:])
             self._entries += n - held
         rec = _Record(holder, hashes, expiry, (holder, now, n, hashes[-1]))
         hold.records[rec] = None
@@ -151,7 +152,7 @@ class SpeculativeIndex:
         hold.chains.remove(rec.hashes)
         kept = hold.chains.longest(rec.hashes)
         if kept < n:
-            self._held.remove(rec.holder, rec.hashes[kept:] if kept else rec.hashes)
+            self._held.remove(rec.holder, rec.hashes[kept:])
             self._entries -= n - kept
         if not hold.records:
             del self._by_holder[rec.holder]
