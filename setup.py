@@ -1,12 +1,12 @@
 """llmd's compiled parts: the KV index's core (llmd/kv/_kvnative.c), the block hasher's pickle
-(llmd/kv/_blockpickle.c), the simulated engine's block pool and CPU tier (llmd/engines/sim/_blockpool.c), the cluster
-simulator's token runs and event loop (llmd/sim/_tokens.c, llmd/sim/_loop.c), and the simulated engine's core compiled
-from its Python source by mypyc (llmd/compiled.py: which modules, and when their source runs instead). Everything else
-is in pyproject.toml.
+(llmd/kv/_blockpickle.c), the simulated engine's block pool and CPU tier (llmd/engines/sim/_blockpool.c) and its decode
+planner's pass over the steps (llmd/engines/sim/_decodeplan.c), the cluster simulator's token runs and event loop
+(llmd/sim/_tokens.c, llmd/sim/_loop.c), and the simulated engine's core compiled from its Python source by mypyc
+(llmd/compiled.py: which modules, and when their source runs instead). Everything else is in pyproject.toml.
 
 `pip install -e .` builds them; without a compiler (or mypy) llmd still works on their pure-Python twins
-(llmd/kv/pyindex.py, pickle in llmd/kv/hashing.py, llmd/engines/sim/block_pool.py, llmd/sim/tokens.py,
-llmd/sim/loop.py) and the engine core's source.
+(llmd/kv/pyindex.py, pickle in llmd/kv/hashing.py, llmd/engines/sim/block_pool.py, plan_steps in
+llmd/engines/sim/decode_run.py, llmd/sim/tokens.py, llmd/sim/loop.py) and the engine core's source.
 LLMD_PURE_PYTHON=1 at build time skips the mypyc compile.
 """
 
@@ -70,6 +70,12 @@ setup(
         Extension("llmd.kv._blockpickle", ["llmd/kv/_blockpickle.c"], extra_compile_args=C_FLAGS, optional=True),
         Extension(
             "llmd.engines.sim._blockpool", ["llmd/engines/sim/_blockpool.c"], extra_compile_args=C_FLAGS, optional=True
+        ),
+        Extension(
+            "llmd.engines.sim._decodeplan",
+            ["llmd/engines/sim/_decodeplan.c"],
+            extra_compile_args=C_FLAGS,
+            optional=True,
         ),
         Extension("llmd.sim._tokens", ["llmd/sim/_tokens.c"], extra_compile_args=C_FLAGS, optional=True),
         Extension("llmd.sim._loop", ["llmd/sim/_loop.c"], extra_compile_args=C_FLAGS, optional=True),

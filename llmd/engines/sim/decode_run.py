@@ -16,7 +16,10 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 
 from __future__ import annotations
 
+import importlib
+import os
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -233,7 +236,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     u: list[float] = []
     pos = 0
     beta, k_lat = 0.0, 0
-    draws: list[int] | None = None
+    mtp_on = False
     if k_spec and mtp is not None:
         # Draw for about the steps the tokens left allow at the mean rate (more would be computed for nothing).
         steps = min(max_steps, reach, int(reach / lat.tokens_per_decode_step() * 1.25) + 2)
@@ -241,15 +244,11 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         rng = core._mtp_rng
         assert isinstance(rng, UniformStream)
         u, pos = rng.ahead(steps * n * k_lat)  # each sample reads at most k_lat draws
-        draws = []
+        mtp_on = True
     elif k_spec:
         return None  # a latency model whose draws we cannot replay in bulk: single steps
     else:
         steps = min(max_steps, reach)
-    # One pass over the steps, each as step() would take it, until one would not be a plain decode step: a request
-    # finishes in it, or it needs more new blocks than are free (it would preempt). A request with fewer than
-    # k_spec + 1 tokens left is scheduled only the drafts it can use (EngineScheduler.schedule): it holds and allocates
-    # for fewer, keeps at most that many of the drafts the model accepts, and with none to verify draws nothing.
     bs = core.kv.block_size
     free = core.kv.num_free_blocks
     # Blocks the run can take without evicting a cached one (the free queue's unhashed front): a step whose only KV
@@ -259,57 +258,12 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     # one where its tokens cross these (compared, not divided, at every step).
     held = [b * bs for b in blocks]
     next_full = [(c + 1) * bs for c in cached]
-    gained: list[int] = []  # gained[s * n + i]: tokens request i has by the end of step s
-    before = [0] * n  # ... by the start of the step under way
-    contexts: list[list[int]] = []  # each step's contexts, for its duration
-    events: list[tuple[int, int, int]] = []  # (step, request, 1 + drafts) where allocate_slots adds or caches blocks
-    kv_steps: list[int] = []  # steps with KV work seen outside (DecodeRun._event_list)
-    allocated = 0
-    p0 = pos
-    k = 0
-    while k < steps:
-        context = [ctx[i] + before[i] for i in range(n)]
-        mark = len(events)
-        alloc = 0  # new blocks the step takes
-        finish = False
-        caches = False
-        for i in range(n):
-            c = context[i]
-            d = rem[i] - before[i] - 1
-            if d > k_spec:
-                d = k_spec
-            need = c + d  # slots for the step: its tokens and drafts
-            if need > held[i] or c >= next_full[i]:
-                events.append((k, i, 1 + d))
-                if need > held[i]:
-                    grow = (need - held[i] + bs - 1) // bs
-                    alloc += grow
-                    held[i] += grow * bs
-                if c >= next_full[i]:
-                    next_full[i] = (c // bs + 1) * bs
-                    caches = True
-            if d > 0 and draws is not None:
-                acc, pos = accepted(u, pos, beta, k_lat)
-                before[i] += (acc if acc < d else d) + 1
-            else:
-                before[i] += 1
-            if before[i] >= rem[i]:
-                finish = True  # a step that finishes a request is not planned: single-step it
-                break
-            gained.append(before[i])
-        if finish or allocated + alloc > free:  # or it would preempt: single-step it
-            del events[mark:]  # the step is not planned: its draws and gains past the planned steps are never read
-            break
-        if caches or (alloc and allocated + alloc > silent):
-            kv_steps.append(k)
-        allocated += alloc
-        if draws is not None:
-            draws.append(pos - p0)
-        contexts.append(context)
-        k += 1
+    k, gained, events, kv_steps, draws, totals = _steps(
+        ctx, rem, held, next_full, k_spec, bs, steps, u, pos, beta, k_lat, mtp_on, free, silent
+    )
     if k < 2:
         return None
-    durations = _durations(lat, contexts)
+    durations = _durations(lat, ctx, gained, totals)
     expiry = core.next_lease_expiry()
     if expiry is not None:
         # step() frees a lease whose expiry is before the step's start: stop before that step.
@@ -329,27 +283,119 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     )
 
 
-def _durations(lat: StepCostModel, context: list[list[int]]) -> list[float]:
-    """step_time((), row) for each row of contexts: exact at probes, interpolated between them where the latency
-    model is a straight line in the batch's total context.
+def plan_steps(
+    ctx: list[int],
+    rem: list[int],
+    held: list[int],
+    next_full: list[int],
+    k_spec: int,
+    bs: int,
+    max_steps: int,
+    u: list[float],
+    pos: int,
+    beta: float,
+    k_lat: int,
+    mtp: bool,
+    free: int,
+    silent: int,
+) -> tuple[int, list[int], list[tuple[int, int, int]], list[int], list[int] | None, list[float]]:
+    """The planner's pass over the steps, each as step() would take it, until one would not be a plain decode step: a
+    request finishes in it, or it needs more new blocks than `free` (it would preempt). A request with fewer than
+    k_spec + 1 tokens left is scheduled only the drafts it can use (EngineScheduler.schedule): it holds and allocates
+    for fewer, keeps at most that many of the drafts the model accepts, and with none to verify draws nothing.
+
+    Per request i: `ctx` its tokens, `rem` the tokens it has left, `held` the tokens its blocks hold, `next_full`
+    where its next full block ends (`held` and `next_full` are worked on). MTP draws (`mtp`) are read from u[pos:].
+    `silent`: blocks the run can take without evicting a cached one. Returns k, the steps planned, and for them:
+    gained[s * n + i] (tokens request i has by the end of step s), the events (step, request, 1 + drafts) where
+    allocate_slots adds or caches blocks, the steps with KV work seen outside (DecodeRun._event_list), the MTP draws
+    read by the end of each step (None without MTP) and each step's total context.
+
+    `_decodeplan.steps` is this in C (the planner's largest cost, compiled by mypyc, was this loop's per-request
+    work); tests/test_decode_plan.py holds the two to the same answers."""
+    n = len(ctx)
+    gained: list[int] = []
+    before = [0] * n  # tokens gained by the start of the step under way
+    totals: list[float] = []
+    events: list[tuple[int, int, int]] = []
+    kv_steps: list[int] = []
+    draws: list[int] = []
+    allocated = 0
+    p0 = pos
+    k = 0
+    while k < max_steps:
+        mark = len(events)
+        alloc = 0  # new blocks the step takes
+        finish = False
+        caches = False
+        total = 0
+        for i in range(n):
+            c = ctx[i] + before[i]
+            total += c
+            d = rem[i] - before[i] - 1
+            if d > k_spec:
+                d = k_spec
+            need = c + d  # slots for the step: its tokens and drafts
+            if need > held[i] or c >= next_full[i]:
+                events.append((k, i, 1 + d))
+                if need > held[i]:
+                    grow = (need - held[i] + bs - 1) // bs
+                    alloc += grow
+                    held[i] += grow * bs
+                if c >= next_full[i]:
+                    next_full[i] = (c // bs + 1) * bs
+                    caches = True
+            if d > 0 and mtp:
+                acc, pos = accepted(u, pos, beta, k_lat)
+                before[i] += (acc if acc < d else d) + 1
+            else:
+                before[i] += 1
+            if before[i] >= rem[i]:
+                finish = True  # a step that finishes a request is not planned: single-step it
+                break
+            gained.append(before[i])
+        if finish or allocated + alloc > free:  # or it would preempt: single-step it
+            del events[mark:]  # the step is not planned: its draws and gains are dropped
+            del gained[k * n :]
+            break
+        if caches or (alloc and allocated + alloc > silent):
+            kv_steps.append(k)
+        allocated += alloc
+        if mtp:
+            draws.append(pos - p0)
+        totals.append(float(total))
+        k += 1
+    return k, gained, events, kv_steps, draws if mtp else None, totals
+
+
+def _row(ctx: list[int], gained: list[int], s: int) -> list[int]:
+    """The contexts at the start of step s."""
+    if s == 0:
+        return list(ctx)
+    base = (s - 1) * len(ctx)
+    return [c + gained[base + i] for i, c in enumerate(ctx)]
+
+
+def _durations(lat: StepCostModel, ctx: list[int], gained: list[int], total: list[float]) -> list[float]:
+    """step_time((), row) for each step's contexts (_row; `total`: their sums): exact at probes, interpolated between
+    them where the latency model is a straight line in the batch's total context.
 
     For the project's latency model a decode step's time is a maximum of lines in the batch's total context (compute
     or memory bound) wherever the contexts do not straddle DSA's top-k, where it also depends on how the total is
     spread. So: first the run must cost the same with all its extra tokens on its longest context (else every step is
     computed exactly); then a convex function that meets its chord at the midpoint is that chord, so a stretch whose
     exact midpoint lies on the line through its ends is interpolated, and one that does not (a bend) is halved."""
-    k = len(context)
-    total = [float(sum(row)) for row in context]
+    k = len(total)
     out = [0.0] * k
 
     def exact(s: int) -> float:
-        return lat.step_time((), context[s])
+        return lat.step_time((), _row(ctx, gained, s))
 
     def near(x: float, y: float) -> bool:
         return abs(x - y) <= _LINE_TOL * abs(y)
 
     first, last = exact(0), exact(k - 1)
-    moved = list(context[0])
+    moved = list(ctx)
     moved[moved.index(max(moved))] += int(total[-1] - total[0])
     if k < 4 or not near(lat.step_time((), moved), last):
         return [first, *(exact(s) for s in range(1, k - 1)), last]
@@ -371,3 +417,17 @@ def _durations(lat: StepCostModel, context: list[list[int]]) -> list[float]:
             stack.append((a, m, ta, tm))
             stack.append((m, b, tm, tb))
     return out
+
+
+_Steps = Callable[
+    [list[int], list[int], list[int], list[int], int, int, int, list[float], int, float, int, bool, int, int],
+    tuple[int, list[int], list[tuple[int, int, int]], list[int], "list[int] | None", list[float]],
+]
+_steps: _Steps
+try:
+    if os.environ.get("LLMD_DECODE_PLAN_PURE_PYTHON") == "1":
+        raise ImportError("LLMD_DECODE_PLAN_PURE_PYTHON=1")
+    # By name: the C module has no stubs, and mypyc (which compiles this file) would have its attribute checked.
+    _steps = importlib.import_module("llmd.engines.sim._decodeplan").steps
+except ImportError:  # not built (no compiler where llmd was installed), or asked not to: the same pass in Python
+    _steps = plan_steps
