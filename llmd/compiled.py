@@ -24,8 +24,10 @@ import sys
 import warnings
 from pathlib import Path
 
-# The engine core and what it calls per step. The router and the simulator's driver are left interpreted: compiled,
-# their numpy-heavy code gained nothing measurable (the boundary checks cost what the C saved).
+# The engine core and what it calls per step, and the cluster simulator's per-rank driver that steps it (plain logic on
+# lists and the core's own objects, called by the loop ~60 times a request: 3% fewer instructions compiled). The
+# router and the rest of the simulator are left interpreted: compiled, their numpy-heavy code gained nothing
+# measurable (the boundary checks cost what the C saved).
 MODULES = (
     "llmd.engines.sim.core",
     "llmd.engines.sim.decode_run",
@@ -33,6 +35,7 @@ MODULES = (
     "llmd.engines.sim.request",
     "llmd.engines.sim.scheduler",
     "llmd.engines.sim.uniforms",
+    "llmd.sim.engines",
 )
 GROUP = "llmd.engines.sim._core"  # mypyc's shared library: llmd/engines/sim/_core__mypyc.<ext>
 MANIFEST = "llmd/engines/sim/_core_sources.json"  # {module: sha256 of the source it was compiled from}

@@ -23,11 +23,14 @@ from llmd.engines.sim.request import RequestStatus, SimRequest
 from llmd.engines.sim.server_config import SimServerConfig
 from llmd.perf.latency import LatencyModel
 from llmd.router.pods import Pod
-from llmd.sim.loop import EventLoop
 from llmd.sim.params import SimParams
 from llmd.spec.layout import engine_endpoints
 
 _RUNNING = RequestStatus.RUNNING
+
+# The loop (llmd/sim/loop.py): the C EventLoop where it was built. Typed loosely on purpose: this module is compiled
+# with the engine core (llmd/compiled.py), and mypyc would check every loop handed in against the Python class.
+Loop = Any
 
 OutputSink = Callable[[RequestOutput, float], None]
 # A sink's other half, for outputs inside a decode run that it would only record (a streamed token nobody reacts to):
@@ -304,9 +307,7 @@ class SimRank:
 class Fleet:
     """Every engine of a spec: pods as the router sees them, ranks as the simulator steps them."""
 
-    def __init__(
-        self, loop: EventLoop, spec: Any, params: SimParams, on_events: Callable[[SimRank, list], None]
-    ) -> None:
+    def __init__(self, loop: Loop, spec: Any, params: SimParams, on_events: Callable[[SimRank, list], None]) -> None:
         self.loop = loop
         self.params = params
         self._on_events = on_events
@@ -324,7 +325,8 @@ class Fleet:
         scale = spec.engine.time_scale if engine_kind(spec.engine.kind).simulated else 1.0
         self.time_scale = scale if scale > 0 else 1.0
         for ep in engine_endpoints(spec):
-            cfg = SimServerConfig.from_spec(spec, ep.role, name=ep.name, engine_id=ep.engine_id, side_channel_port=0)
+            role: Any = ep.role  # "prefill" or "decode": the spec's pools
+            cfg = SimServerConfig.from_spec(spec, role, name=ep.name, engine_id=ep.engine_id, side_channel_port=0)
             pool = spec.pools[ep.role]
             info = PodInfo(
                 name=ep.name,
