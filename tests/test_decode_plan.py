@@ -8,17 +8,20 @@ import os
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd.engines.sim import decode_run
+from llmd.engines.sim import decode_run, uniforms
 from llmd.engines.sim.decode_run import plan_steps
+from llmd.engines.sim.uniforms import _doubles
 
 try:
+    from llmd.engines.sim._decodeplan import doubles as native_doubles
     from llmd.engines.sim._decodeplan import steps as native_steps
 except ImportError:
-    native_steps = None
+    native_steps = native_doubles = None
 # `make test` sets LLMD_REQUIRE_NATIVE=1: a build that silently failed cannot pass as "skipped".
 if native_steps is None and os.environ.get("LLMD_REQUIRE_NATIVE") == "1":
     raise RuntimeError(
@@ -120,8 +123,34 @@ def test_the_c_pass_refuses_bad_arguments_with_a_message() -> None:
         plan_steps(*short)
 
 
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.integers(0, 40), st.integers(0, 50), st.integers(0, 60))
+def test_the_c_draws_are_the_numpy_draws(seed: int, pairs: int, tail: int, i: int) -> None:
+    raw = np.random.MT19937(seed).random_raw(2 * pairs)
+    # Words at the extremes too: every bit that survives the shifts, and none.
+    if pairs:
+        raw[:2] = [0xFFFFFFFF, 0xFFFFFFFF]
+        raw[-2:] = [0, 0]
+    old = [random.Random(seed).random() for _ in range(tail)]
+    got = native_doubles(raw, old, i)
+    assert got == _doubles(raw, old, i)
+    assert all(0.0 <= x < 1.0 for x in got)
+
+
+@needs_native
+def test_the_c_draws_refuse_what_is_not_a_uint64_buffer() -> None:
+    with pytest.raises(TypeError, match="uint64"):
+        native_doubles(np.zeros(4, dtype=np.float64), [], 0)
+    with pytest.raises(TypeError, match="tail must be a list"):
+        native_doubles(np.zeros(4, dtype=np.uint64), (), 0)
+    with pytest.raises(ValueError, match="cursor"):
+        native_doubles(np.zeros(4, dtype=np.uint64), [], -1)
+
+
 def test_the_planner_uses_the_c_pass_where_it_was_built() -> None:
     if os.environ.get("LLMD_DECODE_PLAN_PURE_PYTHON") == "1" or native_steps is None:
         assert decode_run._steps is plan_steps
     else:
         assert decode_run._steps is native_steps
+        assert uniforms._make_doubles is native_doubles

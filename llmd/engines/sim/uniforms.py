@@ -10,6 +10,8 @@ at a time (compiled with the engine core, llmd/compiled.py), where numpy's per-e
 
 from __future__ import annotations
 
+import importlib
+import os
 import random
 from collections.abc import Callable
 
@@ -36,11 +38,7 @@ class UniformStream:
     def _fill(self, need: int) -> None:
         """Keeps the unread draws and adds at least `need` more (in bulk: numpy's MT19937, CPython's maths)."""
         m = max(need, _CHUNK)
-        raw = self._bits.random_raw(2 * m)
-        # CPython's random(): (a >> 5) * 2**26 + (b >> 6), over 2**53; exact in doubles.
-        new: list[float] = (((raw[0::2] >> 5).astype(np.float64) * 67108864.0 + (raw[1::2] >> 6)) * _TWO53).tolist()
-        i = self._i
-        self._buf = self._buf[i:] + new if i < len(self._buf) else new
+        self._buf = _make_doubles(self._bits.random_raw(2 * m), self._buf, self._i)
         self._i = 0
 
     def random(self) -> float:
@@ -65,6 +63,13 @@ class UniformStream:
     def skip(self, c: int) -> None:
         """Consumes `c` draws (at most what `ahead` showed)."""
         self._i += c
+
+
+def _doubles(raw: np.ndarray, tail: list[float], i: int) -> list[float]:
+    """tail[i:] followed by CPython random()'s doubles from MT19937 words: (a >> 5) * 2**26 + (b >> 6), over 2**53,
+    for each pair (a, b) of `raw`; exact in doubles. `_decodeplan.doubles` is this in C (one pass, no arrays)."""
+    new: list[float] = (((raw[0::2] >> 5).astype(np.float64) * 67108864.0 + (raw[1::2] >> 6)) * _TWO53).tolist()
+    return tail[i:] + new if i < len(tail) else new
 
 
 def accepted(u: list[float], i: int, beta: float, k: int) -> tuple[int, int]:
@@ -94,3 +99,13 @@ def vectorisable(sample_accepted: Callable[[UniformStream], int], beta: float, k
     except AttributeError:  # it wants more of the generator than random()
         return False
     return True
+
+
+_make_doubles: Callable[[np.ndarray, list[float], int], list[float]]
+try:
+    if os.environ.get("LLMD_DECODE_PLAN_PURE_PYTHON") == "1":
+        raise ImportError("LLMD_DECODE_PLAN_PURE_PYTHON=1")
+    # By name: the C module has no stubs, and mypyc (which compiles this file) would have its attribute checked.
+    _make_doubles = importlib.import_module("llmd.engines.sim._decodeplan").doubles
+except ImportError:  # not built, or asked not to: numpy
+    _make_doubles = _doubles
