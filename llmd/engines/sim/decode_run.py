@@ -258,6 +258,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
     # one where its tokens cross these (compared, not divided, at every step).
     held = [b * bs for b in blocks]
     next_full = [(c + 1) * bs for c in cached]
+    # One pass over the steps (plan_steps: in C where it was built), until one would not be a plain decode step.
     k, gained, events, kv_steps, draws, totals = _steps(
         ctx, rem, held, next_full, k_spec, bs, steps, u, pos, beta, k_lat, mtp_on, free, silent
     )
