@@ -16,14 +16,12 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 
 from __future__ import annotations
 
-import importlib
-import os
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from .uniforms import UniformStream, accepted
+from .uniforms import DECODE_PLAN_C, UniformStream, accepted
 
 if TYPE_CHECKING:
     from .core import EngineCore, StepCostModel
@@ -424,11 +422,4 @@ _Steps = Callable[
     [list[int], list[int], list[int], list[int], int, int, int, list[float], int, float, int, bool, int, int],
     tuple[int, list[int], list[tuple[int, int, int]], list[int], "list[int] | None", list[float]],
 ]
-_steps: _Steps
-try:
-    if os.environ.get("LLMD_DECODE_PLAN_PURE_PYTHON") == "1":
-        raise ImportError("LLMD_DECODE_PLAN_PURE_PYTHON=1")
-    # By name: the C module has no stubs, and mypyc (which compiles this file) would have its attribute checked.
-    _steps = importlib.import_module("llmd.engines.sim._decodeplan").steps
-except ImportError:  # not built (no compiler where llmd was installed), or asked not to: the same pass in Python
-    _steps = plan_steps
+_steps: _Steps = DECODE_PLAN_C.steps if DECODE_PLAN_C is not None else plan_steps

@@ -14,6 +14,7 @@ import importlib
 import os
 import random
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -101,11 +102,19 @@ def vectorisable(sample_accepted: Callable[[UniformStream], int], beta: float, k
     return True
 
 
-_make_doubles: Callable[[np.ndarray, list[float], int], list[float]]
-try:
+def _decode_plan_c() -> Any:
+    """llmd.engines.sim._decodeplan (the decode planner's pass and the draws' refills in C), or None where it was not
+    built or with LLMD_DECODE_PLAN_PURE_PYTHON=1: the Python twins serve then (here and in decode_run.py)."""
     if os.environ.get("LLMD_DECODE_PLAN_PURE_PYTHON") == "1":
-        raise ImportError("LLMD_DECODE_PLAN_PURE_PYTHON=1")
-    # By name: the C module has no stubs, and mypyc (which compiles this file) would have its attribute checked.
-    _make_doubles = importlib.import_module("llmd.engines.sim._decodeplan").doubles
-except ImportError:  # not built, or asked not to: numpy
-    _make_doubles = _doubles
+        return None
+    try:
+        # By name: the C module has no stubs, and mypyc (which compiles this file) would have its attributes checked.
+        return importlib.import_module("llmd.engines.sim._decodeplan")
+    except ImportError:
+        return None
+
+
+DECODE_PLAN_C: Any = _decode_plan_c()
+_make_doubles: Callable[[np.ndarray, list[float], int], list[float]] = (
+    DECODE_PLAN_C.doubles if DECODE_PLAN_C is not None else _doubles
+)
