@@ -74,7 +74,8 @@ setup(
         Extension(
             "llmd.engines.sim._decodeplan",
             ["llmd/engines/sim/_decodeplan.c"],
-            extra_compile_args=C_FLAGS,
+            # line_times must round as Python does: no fused multiply-adds.
+            extra_compile_args=[*C_FLAGS, "-ffp-contract=off"],
             optional=True,
         ),
         Extension("llmd.sim._tokens", ["llmd/sim/_tokens.c"], extra_compile_args=C_FLAGS, optional=True),

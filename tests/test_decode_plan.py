@@ -16,12 +16,14 @@ from hypothesis import strategies as st
 from llmd.engines.sim import decode_run, uniforms
 from llmd.engines.sim.decode_run import plan_steps
 from llmd.engines.sim.uniforms import _doubles
+from llmd.perf.latency import DecodeLine, line_times
 
 try:
     from llmd.engines.sim._decodeplan import doubles as native_doubles
+    from llmd.engines.sim._decodeplan import line_times as native_line_times
     from llmd.engines.sim._decodeplan import steps as native_steps
 except ImportError:
-    native_steps = native_doubles = None
+    native_steps = native_doubles = native_line_times = None
 # `make test` sets LLMD_REQUIRE_NATIVE=1: a build that silently failed cannot pass as "skipped".
 if native_steps is None and os.environ.get("LLMD_REQUIRE_NATIVE") == "1":
     raise RuntimeError(
@@ -151,6 +153,41 @@ def test_the_c_draws_refuse_what_is_not_a_uint64_buffer() -> None:
 def test_the_planner_uses_the_c_pass_where_it_was_built() -> None:
     if os.environ.get("LLMD_DECODE_PLAN_PURE_PYTHON") == "1" or native_steps is None:
         assert decode_run._steps is plan_steps
+        assert decode_run._line_times is line_times
     else:
         assert decode_run._steps is native_steps
         assert uniforms._make_doubles is native_doubles
+        assert decode_run._line_times is native_line_times
+
+
+_finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_finite, min_size=14, max_size=14),
+    st.booleans(),
+    st.booleans(),
+    st.lists(st.one_of(st.floats(0, 1e7), st.integers(0, 10**7).map(float)), max_size=70),
+)
+def test_the_c_line_is_the_python_line(terms: list[float], has_draft: bool, has_overlap: bool, totals: list) -> None:
+    """Any terms, either flag, any totals: the same doubles (a fused multiply-add or another order would differ)."""
+    terms[9], terms[12] = has_draft, has_overlap
+    line = DecodeLine(*terms)
+    assert native_line_times(line, totals) == line_times(line, totals)
+    zero = DecodeLine(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, 5.0, 1.0, True, 2.0)
+    assert native_line_times(zero, [0.0]) == line_times(zero, [0.0]) == [0.0]  # step_time's empty step
+
+
+@needs_native
+def test_the_c_line_refuses_bad_arguments_with_a_message() -> None:
+    line = DecodeLine(0.0, 4.0, 1.0, 1e-9, 1e-3, 1e-2, 1e-9, 1e-6, 0.0, False, 1e-4, 0.0, False, 1e-4)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        native_line_times(line)
+    with pytest.raises(TypeError, match="tuple of 14"):
+        native_line_times(tuple(line)[:13], [1.0])
+    with pytest.raises(TypeError, match="totals must be a list"):
+        native_line_times(line, (1.0,))
+    with pytest.raises(TypeError):
+        native_line_times(line, ["x"])

@@ -18,6 +18,7 @@ from llmd.perf import (
     get_gpu,
     get_model,
 )
+from llmd.perf.latency import line_times
 from llmd.spec import DeploymentSpec, ModelSpec, PoolSpec, load_spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -372,3 +373,31 @@ def test_step_time_is_deterministic_and_pure() -> None:
     parts = lm.step_breakdown(prefill, decode)
     assert parts.total_s == pytest.approx(first)
     assert dataclasses.asdict(parts).keys() == {"compute_s", "memory_s", "comm_s", "overhead_s"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_line_prices_a_decode_step_as_step_time_does_bit_for_bit(glm_spec: DeploymentSpec, seed: int) -> None:
+    """Decode fast-forward prices a run's steps on the line (LatencyModel.decode_line, line_times) instead of calling
+    step_time per step: for every model and layout, the same float, and no line where the total does not decide."""
+    models = [LatencyModel.from_spec(glm_spec, "decode"), LatencyModel.from_spec(glm_spec, "prefill")]
+    models += [LatencyModel(H100, m, Parallelism(tp=2, dp=8, ep=True), 2, comm_overlap=0.3) for m in MODELS.values()]
+    models += [LatencyModel(H100, LLAMA8), LatencyModel(H100, LLAMA8, Parallelism(tp=2), 3, comm_overlap=0.5)]
+    rng = random.Random(seed)
+    priced = refused = 0
+    for lm in models:
+        for _ in range(300):
+            n = rng.randint(1, 64)
+            hi = rng.choice([100, 3_000, 300_000])
+            rows = [rng.randint(1, hi) for _ in range(n)]
+            line = lm.decode_line(n, min(rows))
+            if line is None:
+                # Only DSA's top-k makes the time depend on more than the total: a context short of it.
+                assert lm.model.index_topk and min(rows) < lm.model.index_topk
+                refused += 1
+                continue
+            priced += 1
+            totals = [float(sum(rows)), float(sum(rows) + n * 7)]
+            grown = [c + 7 for c in rows]
+            assert line_times(line, totals) == [lm.step_time((), rows), lm.step_time((), grown)]
+    assert priced > 1000 and refused > 50
+    assert LatencyModel(H100, GLM).decode_line(0, 10**6) is None

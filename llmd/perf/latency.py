@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 from llmd.perf.gpus import GPUProfile, get_gpu
 from llmd.perf.models import ModelProfile, model_for_spec
@@ -63,6 +63,48 @@ class Parallelism:
     def expert_shards(self) -> int:
         """GPUs the routed experts are spread over (1: every GPU holds a tensor slice of every expert)."""
         return self.tp * self.dp if self.ep else 1
+
+
+class DecodeLine(NamedTuple):
+    """A decode-only step's time as a function of its batch's total context x (LatencyModel.decode_line): step_time's
+    own subexpressions for that batch, evaluated by `line_times` in step_time's order (a tuple: the C planner reads it
+    as one, llmd/engines/sim/_decodeplan.c)."""
+
+    p1: float  # attention's part that does not grow with x
+    q: float  # tokens each sequence runs through the model per step
+    n_half: float  # n * (q + 1) / 2: the positions each verified token sees among the step's own
+    a_x: float  # attention seconds per context token (the indexer's with DSA)
+    t1: float  # the linear layers and the LM head
+    m1: float  # weights (and DSA's selected latents)
+    m_y: float  # seconds per context token of KV read in full (the indexer's keys with DSA)
+    tk: float  # the new KV written
+    draft: float  # MTP drafting, added to compute and memory alike
+    has_draft: bool
+    comm: float
+    hidden: float  # the communication comm_overlap hides, at most the busy time
+    has_overlap: bool
+    overhead: float
+
+
+def line_times(line: DecodeLine, totals: Sequence[float]) -> list[float]:
+    """step_time for each total context: step_time's float operations on `line`'s terms, in its order (the Python twin
+    of _decodeplan.c's `line_times`)."""
+    out = []
+    for x in totals:
+        compute = line.t1 + (line.p1 + line.q * (x + line.n_half) * line.a_x)
+        memory = line.m1 + x * line.m_y + line.tk
+        if line.has_draft:
+            compute += line.draft
+            memory += line.draft
+        if compute == 0.0 and memory == 0.0:
+            out.append(0.0)
+            continue
+        busy = compute if compute > memory else memory
+        comm = line.comm
+        if line.has_overlap:
+            comm -= line.hidden if line.hidden < busy else busy
+        out.append(busy + comm + line.overhead)
+    return out
 
 
 @dataclass(frozen=True)
@@ -360,6 +402,58 @@ class LatencyModel:
             hidden = self.comm_overlap * comm
             comm -= hidden if hidden < busy else busy
         return busy + comm + overhead
+
+    def decode_line(self, n: int, shortest: int) -> DecodeLine | None:
+        """`step_time((), contexts)` for n decoding sequences whose shortest context is `shortest` or more, as a
+        function of their total context alone (`line_times`), or None where it depends on more than the total: DSA's
+        top-k straddled or not reached (a short context attends to all of it). The constants are step_time's own
+        subexpressions for such a batch, so `line_times` computes each step's time with the same floating-point
+        operations in the same order: bit for bit the same (tests/test_perf.py holds it).
+
+        Why: decode fast-forward prices up to 64 steps of one batch at once; each exact step_time is ~7 us of Python
+        where the line is a few instructions a step."""
+        if n < 1:
+            return None
+        q, topk, half = self._q, self._topk, (self._q + 1) * 0.5
+        tokens = n * q  # _parts: tokens and sampled both n * q for a decode-only step
+        if topk:
+            if shortest < topk - half:
+                return None  # some context attends to fewer than top-k: not a function of the total
+            attended = float(n * topk)
+            p1 = q * attended * self._a_dc  # attention over the selected top-k; the indexer's term grows with the total
+            a_x = self._a_idx
+            m_y = self._m_idx  # the indexer's keys are read in full
+            latent = attended - n * half
+        else:
+            p1, a_x, m_y, latent = 0.0, self._a_dc, self._m_kv, 0.0
+        weights = self._m_dense
+        if self._m_exp:
+            weights += self._m_exp * -math.expm1(tokens * self._group * self._log_miss)
+        # memory = weights + ctx_tokens * m_kv + latent * m_lat + index_tokens * m_idx: the term in the total is last.
+        m1 = weights + 0 * self._m_kv + latent * self._m_lat if topk else weights
+        draft = 0.0
+        if self._draft_frac:
+            w1 = self._m_dense
+            if self._m_exp:
+                w1 += self._m_exp * -math.expm1(n * self._group * self._log_miss)
+            draft = self._draft_frac * (max(n * self._c_tok, w1) + n * self._ep_tok + self._ep_fixed)
+        comm = tokens * self._comm_tok + self._comm_fixed
+        return DecodeLine(
+            p1=p1,
+            q=float(q),
+            n_half=n * half,
+            a_x=a_x,
+            t1=tokens * self._c_tok + tokens * self._c_logit,
+            m1=m1,
+            m_y=m_y,
+            tk=tokens * self._m_kv,
+            draft=draft,
+            has_draft=bool(self._draft_frac),
+            comm=comm,
+            hidden=self.comm_overlap * comm,
+            has_overlap=bool(self.comm_overlap),
+            overhead=self._overhead,
+        )
 
     def step_breakdown(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> StepBreakdown:
         """`step_time`'s parts: compute, memory, communication (what `comm_overlap` leaves exposed) and overhead."""

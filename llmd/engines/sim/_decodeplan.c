@@ -8,7 +8,8 @@
  * steps(ctx, rem, held, next_full, k_spec, bs, max_steps, u, pos, beta, k_lat, mtp, free, silent)
  *   -> (k, gained, events, kv_steps, draws, totals): see plan_steps in decode_run.py, the twin this is held to
  *   (tests/test_decode_plan.py). doubles(raw, tail, i): the MTP draws the plans read, made from the generator's words
- *   (uniforms._doubles, its twin).
+ *   (uniforms._doubles, its twin). line_times(line, totals): the steps' times on a latency model's decode line
+ *   (llmd.perf.latency.line_times, its twin).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -273,12 +274,72 @@ static PyObject *doubles(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
+/* line_times(line, totals) -> [step time for each total context]: llmd.perf.latency.line_times in C, the same double
+ * operations in the same order (setup.py builds this file with -ffp-contract=off: a fused multiply-add would round
+ * once where Python rounds twice). `line` is a DecodeLine (a tuple of 14: see latency.py); `totals` a list of floats.
+ * Why: the planner prices up to 64 steps a run, and probing the latency model in Python was ~40% of a plan. */
+static PyObject *line_times(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "line_times() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *line = args[0], *totals = args[1];
+    if (!PyTuple_Check(line) || PyTuple_GET_SIZE(line) != 14) {
+        PyErr_SetString(PyExc_TypeError, "line must be a DecodeLine (a tuple of 14)");
+        return NULL;
+    }
+    if (!PyList_Check(totals)) {
+        PyErr_SetString(PyExc_TypeError, "totals must be a list of floats");
+        return NULL;
+    }
+    double c[14];
+    for (int j = 0; j < 14; j++) {
+        c[j] = PyFloat_AsDouble(PyTuple_GET_ITEM(line, j)); /* bools read as 0.0 / 1.0 */
+        if (c[j] == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    const double p1 = c[0], q = c[1], n_half = c[2], a_x = c[3], t1 = c[4], m1 = c[5], m_y = c[6], tk = c[7],
+                 draft = c[8], comm0 = c[10], hidden = c[11], overhead = c[13];
+    const int has_draft = c[9] != 0.0, has_overlap = c[12] != 0.0;
+    Py_ssize_t k = PyList_GET_SIZE(totals);
+    PyObject *out = PyList_New(k);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t s = 0; s < k; s++) {
+        double x = PyFloat_AsDouble(PyList_GET_ITEM(totals, s));
+        if (x == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        double compute = t1 + (p1 + (q * (x + n_half)) * a_x);
+        double memory = (m1 + x * m_y) + tk;
+        double t = 0.0;
+        if (has_draft) {
+            compute += draft;
+            memory += draft;
+        }
+        if (compute != 0.0 || memory != 0.0) {
+            double busy = compute > memory ? compute : memory;
+            double comm = comm0;
+            if (has_overlap) comm -= hidden < busy ? hidden : busy;
+            t = (busy + comm) + overhead;
+        }
+        PyObject *v = PyFloat_FromDouble(t);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, s, v);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"steps", (PyCFunction)(void (*)(void))steps, METH_FASTCALL,
      "steps(ctx, rem, held, next_full, k_spec, bs, max_steps, u, pos, beta, k_lat, mtp, free, silent) -> "
      "(k, gained, events, kv_steps, draws, totals): decode_run.plan_steps in C."},
     {"doubles", (PyCFunction)(void (*)(void))doubles, METH_FASTCALL,
      "doubles(raw, tail, i) -> tail[i:] + random()'s doubles from raw MT19937 word pairs: uniforms._doubles in C."},
+    {"line_times", (PyCFunction)(void (*)(void))line_times, METH_FASTCALL,
+     "line_times(line, totals) -> each total context's step time: llmd.perf.latency.line_times in C."},
     {NULL, NULL, 0, NULL},
 };
 

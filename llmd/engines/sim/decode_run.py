@@ -19,7 +19,9 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from llmd.perf.latency import line_times
 
 from .uniforms import DECODE_PLAN_C, UniformStream, accepted
 
@@ -385,6 +387,13 @@ def _durations(lat: StepCostModel, ctx: list[int], gained: list[int], total: lis
     computed exactly); then a convex function that meets its chord at the midpoint is that chord, so a stretch whose
     exact midpoint lies on the line through its ends is interpolated, and one that does not (a bend) is halved."""
     k = len(total)
+    # The project's latency model, for a batch past DSA's top-k (or without DSA): a function of the total context
+    # alone, every step priced exactly by the same float operations (LatencyModel.decode_line) without a probe.
+    line_of = getattr(lat, "decode_line", None)
+    if line_of is not None:
+        line = line_of(len(ctx), min(ctx))  # contexts only grow along the run: step 0's shortest is the run's
+        if line is not None:
+            return _line_times(line, total)
     out = [0.0] * k
 
     def exact(s: int) -> float:
@@ -423,3 +432,6 @@ _Steps = Callable[
     tuple[int, list[int], list[tuple[int, int, int]], list[int], "list[int] | None", list[float]],
 ]
 _steps: _Steps = DECODE_PLAN_C.steps if DECODE_PLAN_C is not None else plan_steps
+_line_times: Callable[[Any, list[float]], list[float]] = (
+    DECODE_PLAN_C.line_times if DECODE_PLAN_C is not None else line_times
+)
