@@ -320,6 +320,8 @@ class LatencyModel:
     # ---- the hot path -----------------------------------------------------------------------------------------
 
     def _parts(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> tuple[float, float, float, float]:
+        # decode_line repeats the decode-only path's operations in this order: change both (tests/test_perf.py
+        # holds them bit for bit equal).
         tokens = 0  # tokens through the model this step
         sampled = 0  # positions that need logits
         attn = 0.0  # attention compute, s
@@ -410,7 +412,7 @@ class LatencyModel:
         subexpressions for such a batch, so `line_times` computes each step's time with the same floating-point
         operations in the same order: bit for bit the same (tests/test_perf.py holds it).
 
-        Why: decode fast-forward prices up to 64 steps of one batch at once; each exact step_time is ~7 us of Python
+        Why: decode fast-forward prices up to 64 steps of one batch at once; each exact step_time is ~2 us of Python
         where the line is a few instructions a step."""
         if n < 1:
             return None
