@@ -378,22 +378,22 @@ def _row(ctx: list[int], gained: list[int], s: int) -> list[int]:
 
 
 def _durations(lat: StepCostModel, ctx: list[int], gained: list[int], total: list[float]) -> list[float]:
-    """step_time((), row) for each step's contexts (_row; `total`: their sums): exact at probes, interpolated between
-    them where the latency model is a straight line in the batch's total context.
+    """step_time((), row) for each step's contexts (_row; `total`: their sums). Where the latency model has a decode
+    line for the batch (the project's LatencyModel past DSA's top-k, or without DSA: a function of the total context
+    alone), every step exactly, by step_time's own float operations and without a probe. Otherwise exact at probes and
+    interpolated between them where the latency model is a straight line in the batch's total context.
 
     For the project's latency model a decode step's time is a maximum of lines in the batch's total context (compute
     or memory bound) wherever the contexts do not straddle DSA's top-k, where it also depends on how the total is
     spread. So: first the run must cost the same with all its extra tokens on its longest context (else every step is
     computed exactly); then a convex function that meets its chord at the midpoint is that chord, so a stretch whose
     exact midpoint lies on the line through its ends is interpolated, and one that does not (a bend) is halved."""
-    k = len(total)
-    # The project's latency model, for a batch past DSA's top-k (or without DSA): a function of the total context
-    # alone, every step priced exactly by the same float operations (LatencyModel.decode_line) without a probe.
     line_of = getattr(lat, "decode_line", None)
     if line_of is not None:
         line = line_of(len(ctx), min(ctx))  # contexts only grow along the run: step 0's shortest is the run's
         if line is not None:
             return _line_times(line, total)
+    k = len(total)
     out = [0.0] * k
 
     def exact(s: int) -> float:
