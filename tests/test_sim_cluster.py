@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import gc
 import os
 from pathlib import Path
 
@@ -180,6 +181,31 @@ def test_ctrl_c_keeps_what_was_simulated(tmp_path: Path) -> None:
     assert stats.interrupted and 3.5 <= stats.sim_s <= 5
     df = read_requests(tmp_path / "run" / "metrics.h5")
     assert (df.source == "client").sum() == stats.requests > 0
+
+
+def test_collector_is_off_while_a_run_runs_and_back_as_it_was_after(tmp_path: Path) -> None:
+    """A run makes no cyclic garbage, so it runs without the collector's walks: the caller's setting comes back, after
+    a Ctrl-C too, and a whole run (HDF5 written) leaves nothing for the collector to find."""
+    seen: list[bool] = []
+
+    def progress(t: float, _stats: object) -> None:
+        seen.append(gc.isenabled())
+        if t >= 3:
+            raise KeyboardInterrupt
+
+    assert gc.isenabled()
+    Simulation(embedded_spec(8.0), out_dir=tmp_path / "cut", run_id="g").run(progress)
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    sim = Simulation(embedded_spec(4.0), out_dir=tmp_path / "whole", run_id="g")
+    sim.run()
+    assert sim.calls and gc.collect() == 0  # (run() collects what was made before it starts)
+    gc.disable()
+    try:
+        Simulation(embedded_spec(2.0), run_id="g").run()
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
 
 
 def test_params_file_errors_name_what_is_wrong(tmp_path: Path) -> None:
