@@ -1,7 +1,8 @@
 """llmd's compiled parts: the KV index's core (llmd/kv/_kvnative.c), the block hasher's pickle
 (llmd/kv/_blockpickle.c), the simulated engine's block pool and CPU tier (llmd/engines/sim/_blockpool.c) and its decode
 planner's pass over the steps (llmd/engines/sim/_decodeplan.c), the cluster simulator's token runs and event loop
-(llmd/sim/_tokens.c, llmd/sim/_loop.c), and the simulated engine's core compiled from its Python source by mypyc
+(llmd/sim/_tokens.c, llmd/sim/_loop.c) and its heap in huge pages (llmd/sim/_hugepages.c, nothing in its place where
+it is not built), and the simulated engine's core compiled from its Python source by mypyc
 (llmd/compiled.py: which modules, and when their source runs instead). Everything else is in pyproject.toml.
 
 `pip install -e .` builds them; without a compiler (or mypy) llmd still works on their pure-Python twins
@@ -80,6 +81,7 @@ setup(
         ),
         Extension("llmd.sim._tokens", ["llmd/sim/_tokens.c"], extra_compile_args=C_FLAGS, optional=True),
         Extension("llmd.sim._loop", ["llmd/sim/_loop.c"], extra_compile_args=C_FLAGS, optional=True),
+        Extension("llmd.sim._hugepages", ["llmd/sim/_hugepages.c"], extra_compile_args=C_FLAGS, optional=True),
         *mypyc_extensions(),
     ]
 )

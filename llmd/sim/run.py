@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd.kv.hashing import BlockHasher
+from llmd.sim import hugepages
 from llmd.sim.agents import Agents
 from llmd.sim.context import ContextBuilder
 from llmd.sim.engines import Fleet
@@ -109,6 +110,8 @@ class Simulation:
         # fifth of sha256_cbor's cost, and hashing every new block of every agent's context is the simulator's
         # largest fixed cost.
         spec = spec.model_copy(update={"model": spec.model.model_copy(update=SIM_HASHING)})
+        # Before the fleet is built: its state is most of what a run reads (llmd/sim/_hugepages.c says why).
+        hugepages.enable()
         self.spec = spec
         self.params = p = params or SimParams()
         self.loop = loop = EventLoop()
@@ -220,6 +223,7 @@ class Simulation:
             while t < end:
                 t = min(t + 1.0, end)
                 loop.run(t)
+                hugepages.grow()
                 if base is None and t >= warmup_s:
                     base = self.counters()
                 if self.recorder is not None:
