@@ -55,6 +55,20 @@ def test_python_arenas_come_from_the_huge_page_region_and_are_reused() -> None:
     assert then["arenas_new"] - first["arenas_new"] < then["arenas_reused"]
 
 
+@needs_it
+def test_an_address_space_limit_keeps_the_reservation_to_a_quarter_of_it() -> None:
+    """Under `ulimit -v` (some clusters set one for jobs) the region takes at most a quarter of the limit, and the
+    process still allocates the rest."""
+    code = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))\n" + _ARENAS
+    code = code.replace(
+        "print(json.dumps({",
+        "big = bytearray(3 << 30)\nprint(json.dumps({'region': hugepages.stats()['region_bytes'], ",
+    )
+    got = _child(code, "1")
+    assert got["on"] and 0 < got["region"] <= 2 << 30
+    assert got["then"]["arenas_new"] > 0
+
+
 def test_switched_off_by_the_environment() -> None:
     got = _child(_ARENAS, "0")
     assert not got["on"] and got["why"] == "LLMD_HUGE_PAGES=0"

@@ -8,7 +8,9 @@ part was not built, or where the system has transparent huge pages off ("never")
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,23 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # Python's arena size: 1 MiB on 64-bit builds since 3.10 (obmalloc's USE_LARGE_ARENAS), 256 KiB before. Arenas of any
 # other size are served by the allocator that was there before, so a wrong guess costs the speed-up, not correctness.
 _ARENA = 1 << 20 if sys.maxsize > 2**32 and sys.version_info >= (3, 10) else 1 << 18
-# Address space reserved for arenas (MAP_NORESERVE: nothing is committed until written); smaller tries where the
-# system refuses that much (strict overcommit).
-_REGIONS = (64 << 30, 16 << 30, 4 << 30)
+# Address space reserved for arenas (MAP_NORESERVE: nothing is committed until written), at most.
+_MOST = 64 << 30
 
-_state: dict[str, Any] = {"tried": False, "on": False, "why": "not enabled yet"}
+_state: dict[str, Any] = {"tried": False, "on": False, "why": "not enabled yet", "region": 0}
+
+
+def _regions() -> list[int]:
+    """Sizes to try reserving, largest first: at most the machine's memory, and at most a quarter of an address-space
+    limit (`ulimit -v`, as some clusters set for jobs): the reservation counts against that limit, and the run needs
+    the rest of it. Smaller tries follow where the system refuses (strict overcommit)."""
+    most = _MOST
+    with contextlib.suppress(ValueError, OSError):  # a system that does not say: the default
+        most = min(most, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        most = min(most, soft // 4)
+    return [r for r in (most, most // 4, most // 16) if r >= 64 * _ARENA]
 
 
 def _native() -> Any:
@@ -60,10 +74,10 @@ def enable() -> bool:
     if "[never]" in mode:
         _state["why"] = "transparent huge pages are off on this system"
         return False
-    for region in _REGIONS:
+    for region in _regions():
         if native.use_arenas(region, _ARENA):
             native.grow_heap()  # from here on glibc's heap grows in steps that grow() marks
-            _state.update(on=True, why="")
+            _state.update(on=True, why="", region=region)
             return True
     _state["why"] = "no address space could be reserved for the arenas"
     return False
@@ -76,5 +90,6 @@ def grow() -> None:
 
 
 def stats() -> dict[str, int]:
-    """The C part's counters (arenas handed out new, reused, freed, served elsewhere; bytes used); {} when off."""
-    return dict(_C.stats()) if _state["on"] else {}
+    """The C part's counters (arenas handed out new, reused, freed, served elsewhere; bytes used) and the region's
+    size; {} when off."""
+    return {**_C.stats(), "region_bytes": _state["region"]} if _state["on"] else {}
