@@ -67,9 +67,6 @@ print(json.dumps({"wall_s": st.wall_s + build_s, "sim_s": st.sim_s, "events": st
 """
 
 
-CALIBRATION_DIR = ROOT / "llmd" / "sim" / "data" / "calibration-automationbench"
-
-
 def scale_run(agents: int, duration_s: float, calibrated: bool = True) -> dict:
     """One 544-GPU run in a child pinned to one core: its figures. `calibrated`: with the frozen calibration (what
     the simulator predicts with), else the H100's raw datasheet efficiencies."""
@@ -80,7 +77,9 @@ def scale_run(agents: int, duration_s: float, calibrated: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spec.yaml"
         path.write_text(yaml.safe_dump(spec))
-        cal = str(CALIBRATION_DIR) if calibrated else ""
+        from llmd.sim.calibrate import AUTOMATIONBENCH_DIR
+
+        cal = str(AUTOMATIONBENCH_DIR) if calibrated else ""
         cmd = [sys.executable, "-c", _CHILD, str(path), str(agents), str(duration_s), cal]
         if sys.platform == "linux":
             cmd = ["taskset", "-c", "0", *cmd]  # one core, as the target says

@@ -30,10 +30,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from llmd.sim.calibrate import AUTOMATIONBENCH_DIR as CALIBRATION_DIR  # noqa: E402
+
 AB_TARGET_RPM = 7612.0  # AutomationBench at 2,500 agents: 7,612 requests/min (134.89M input, 6.05M output tokens/min)
 AB_INPUT_TPM = 134.89e6
 AB_OUTPUT_TPM = 6.05e6
-CALIBRATION_DIR = ROOT / "llmd" / "sim" / "data" / "calibration-automationbench"
 OUT = ROOT / "results" / "sim-predictions"
 FIGURE = ROOT / "docs" / "simulator-ablations.png"
 

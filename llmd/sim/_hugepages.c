@@ -3,8 +3,9 @@
  * Why: a 544-GPU run holds gigabytes of Python objects (requests, contexts, block lists, the engines' and router's
  * state) and each event touches a rank nothing has touched for a while, so most reads miss the TLB as well as the
  * caches. With 4 KB pages a 2 GB heap is half a million pages, far beyond the TLB; with 2 MB pages, a thousand.
- * Measured on the calibrated 544-GPU run (3,000 agents, 240 simulated s, paired on two cores): Python's object
- * arenas in huge pages 60.5 -> 55.2 and 68.4 -> 66.6 s; glibc's heap as well, a further 64.1 -> 58.4 and 64.3 -> 60.3 s.
+ * Measured on the calibrated 544-GPU run (3,000 agents, 240 simulated s, paired on two cores, off -> on): 67.1 -> 61.9,
+ * 71.8 -> 66.8, 44.3 -> 44.6 and 54.2 -> 45.0 s (the gain largest when other jobs load the machine, never slower). What
+ * pointed here: PYTHONMALLOC=malloc ran 80.0 and 71.2 s, and 73.2 and 64.3 s with glibc's own huge-page tunable.
  *
  * Two parts, both only where the system leaves huge pages to the program (THP "madvise" or "always"):
  * - arenas: Python's small-object allocator takes its 1 MB arenas from here (PyObject_SetArenaAllocator): one region

@@ -22,6 +22,9 @@ from typing import Any
 from llmd.errors import UserError
 
 SCALED = ("mfu", "bw_efficiency", "link_efficiency")
+# The frozen calibration the simulator's predictions load (scripts/sim_predictions.py writes it, the cluster_sim
+# benchmark times the deployment with it): AutomationBench's 7,612 requests/min at 2,500 agents.
+AUTOMATIONBENCH_DIR = Path(__file__).resolve().parent / "data" / "calibration-automationbench"
 
 
 @dataclass(frozen=True)
