@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from llmd.engines.kinds import engine_kind
@@ -269,8 +270,9 @@ class SimRouter:
         if kv is not None:
             call.pull_id = req.request_id
             self._pulling[req.request_id] = call
-        record = None if self._stream else lambda times, n: _record_run(job.handle, times, n, self.params.hop_s)
-        self._to_engine(rank, req, job, lambda out, t: self._decode_out(job, out, t), record)
+        # partial, not lambdas: called for every output and decode run, and a partial adds no Python frame.
+        record = None if self._stream else partial(_record_run, job.handle, hop_s=self.params.hop_s)
+        self._to_engine(rank, req, job, partial(self._decode_out, job), record)
 
     def _pulled(self, request_id: str, ok: bool, tokens: int, nbytes: float, seconds: float) -> None:
         """A serving engine's pull ended: what it moved is the request's transfer (a failed one moved nothing)."""

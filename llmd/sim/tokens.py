@@ -132,8 +132,12 @@ class TokenRuns(Sequence[int]):
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) as a list."""
+        pieces = self._pieces(start, stop)
+        if len(pieces) == 1:  # most reads (an output script, a block inside one turn): the run's own list, no copy
+            seed, a, b = pieces[0]
+            return run_tokens(seed, a, b, self.vocab)
         out: list[int] = []
-        for seed, a, b in self._pieces(start, stop):
+        for seed, a, b in pieces:
             out += run_tokens(seed, a, b, self.vocab)
         return out
 

@@ -226,7 +226,7 @@ class EngineCore:
             raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens exceeds max_model_len {c.max_model_len}")
         if req.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        req.init_engine_state(self.hasher, random.Random(f"{c.seed}/{req.request_id}"))
+        req.init_engine_state(self.hasher, f"{c.seed}/{req.request_id}")
         params = req.kv_transfer_params
         if c.kv_transfer and params and params.get("do_remote_prefill"):
             req.pull_pending = _valid_pull_params(params)

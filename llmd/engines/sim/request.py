@@ -120,6 +120,9 @@ class SimRequest:
     pull_tokens: int = field(default=0, init=False)
     pull_local_tokens: int = field(default=0, init=False)
     rng: random.Random | None = field(default=None, init=False, repr=False)
+    # The seed `rng` is made from on first use: most requests replay an output script and never draw, and seeding a
+    # Random from a string (a SHA-512) was ~1% of a 544-GPU simulation.
+    rng_seed: str = field(default="", init=False, repr=False)
     hasher: BlockHasher | None = field(default=None, init=False, repr=False)
     # `output_script` as a list, made on the first draw: a script of runs (llmd.sim.tokens) costs a numpy call per
     # slice, and a decode reads it every step.
@@ -143,10 +146,14 @@ class SimRequest:
             return self.output_token_ids[start - n : end - n]
         return p[start:] + self.output_token_ids[: end - n]  # type: ignore[operator]
 
-    def init_engine_state(self, hasher: BlockHasher, rng: random.Random) -> None:
+    def init_engine_state(self, hasher: BlockHasher, rng: random.Random | str) -> None:
+        """`rng`: the request's sampler, or the seed to make it from when it first draws."""
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         self.hasher = hasher
-        self.rng = rng
+        if isinstance(rng, str):
+            self.rng, self.rng_seed = None, rng
+        else:
+            self.rng = rng
         given = self.prompt_block_hashes
         if given is not None and len(given) == len(self.prompt_token_ids) // hasher.block_size:
             self.block_hashes = list(given)
@@ -178,8 +185,7 @@ class SimRequest:
             given = self.output_script
             if given is None:
                 draw = sampler.draw
-                rng = self.rng
-                assert rng is not None
+                rng = self._rng()
                 return [draw(rng)] if n == 1 else [draw(rng) for _ in range(n)]
             # Only the first max_tokens can ever be read. A slice of token runs is a list already: no second copy.
             if type(given) is not list:
@@ -190,7 +196,11 @@ class SimRequest:
         k = len(self.output_token_ids)
         out = script[k : k + n]
         while len(out) < n:
-            rng = self.rng
-            assert rng is not None
-            out.append(sampler.draw(rng))
+            out.append(sampler.draw(self._rng()))
         return out
+
+    def _rng(self) -> random.Random:
+        rng = self.rng
+        if rng is None:
+            rng = self.rng = random.Random(self.rng_seed)
+        return rng
