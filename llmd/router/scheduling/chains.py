@@ -2,16 +2,23 @@
 differ from there on, so how far they agree is a binary search, not a walk. The router's bookkeeping of what it sent
 where (kv_demand, speculative) keeps requests' chains in a ChainSet and asks how much of a chain it holds, instead of
 writing and taking away an entry for each of a long request's units.
+
+All three are written twice: in C (_chains.c, built by `pip install -e .`: their loops' interpreter overhead was ~6% of
+a cluster simulation's CPU) and here in Python (py_common_prefix, py_held_prefix, PyChainSet: the reference the C is
+tested against, tests/test_chains_native.py, and what runs where no compiler was at install time, or with
+LLMD_CHAINS_PURE_PYTHON=1). The same answers, errors and unit counts, in the same dict order.
 """
 
 from __future__ import annotations
 
+import os
 from collections import _count_elements, deque  # type: ignore[attr-defined]  # Counter.update's C loop
 from collections.abc import Container, Sequence
 from itertools import islice, repeat
+from typing import TYPE_CHECKING
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> int:
+def py_common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> int:
     """How many leading units of a[:n] and b[:n] agree. Chains agree up to a point and differ from there on (a unit
     names all before it), so a binary search answers; the shared system prompt and a turn's own earlier turns make
     "none" and "all" the common answers, looked at first."""
@@ -31,7 +38,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int], n: int, hint: int = 0) -> 
     return lo
 
 
-def held_prefix(chain: Sequence[int], units: Container[int], lo: int, hi: int) -> int:
+def py_held_prefix(chain: Sequence[int], units: Container[int], lo: int, hi: int) -> int:
     """How many leading units of chain[:hi] are in `units`, given that chain[:lo] are: one binary search, for a set
     of units that is prefix-closed (a unit's presence means every unit before it in its chain is there too: units
     counted from whole chains)."""
@@ -50,11 +57,11 @@ def held_prefix(chain: Sequence[int], units: Container[int], lo: int, hi: int) -
 # Chains shorter than this are kept as a count per unit: for a few dozen units that is a few C-speed dict operations,
 # cheaper than a search per chain in the set (short prompts come many at a time: 64 in flight at one endpoint);
 # longer ones as themselves, searched one by one: few fit one engine's KV at once, and a 3,000-block chain would
-# cost 3,000 dict operations to add and as many to take away.
+# cost 3,000 dict operations to add and as many to take away. PyChainSet reads it when used, a C set when made.
 SHORT_UNITS = 256
 
 
-class ChainSet:
+class PyChainSet:
     """A multiset of chains (a request's units: chained hashes, each naming every unit before it, all distinct):
     `longest` is the longest prefix of a chain that one of them has, i.e. how much of it their trie holds.
 
@@ -113,7 +120,7 @@ class ChainSet:
         chains = self._long
         at = next((i for i, c in enumerate(chains) if c is chain), None)
         if at is None:  # an equal chain, not the same object
-            at = next((i for i, c in enumerate(chains) if len(c) == n and common_prefix(chain, c, n) == n), None)
+            at = next((i for i, c in enumerate(chains) if len(c) == n and py_common_prefix(chain, c, n) == n), None)
         if at is None:
             return False
         chains[at] = chains[-1]
@@ -136,14 +143,34 @@ class ChainSet:
             return best
         refs = self._refs
         if refs:
-            best = held_prefix(chain, refs, best, min(hi, SHORT_UNITS - 1))  # a short chain has < SHORT_UNITS
+            best = py_held_prefix(chain, refs, best, min(hi, SHORT_UNITS - 1))  # a short chain has < SHORT_UNITS
         got = 0
         for c in self._long:
             m = min(hi, len(c))
             if m > best and c[best] == chain[best]:  # agrees past what is known: worth a search
-                got = common_prefix(chain, c, m, got)
+                got = py_common_prefix(chain, c, m, got)
                 if got > best:
                     best = got
                     if best >= hi:
                         break
         return best
+
+
+try:
+    if os.environ.get("LLMD_CHAINS_PURE_PYTHON") == "1":
+        raise ImportError("LLMD_CHAINS_PURE_PYTHON=1")
+    from llmd.router.scheduling import _chains
+except ImportError:  # no compiler where llmd was installed (or asked not to): the Python ones serve, the same answers
+    _chains = None
+
+if TYPE_CHECKING or _chains is None:
+    common_prefix = py_common_prefix
+    held_prefix = py_held_prefix
+    ChainSet = PyChainSet
+else:
+    # A C set reads SHORT_UNITS from this module's globals when it is made, as PyChainSet reads it when used: tests
+    # set chains.SHORT_UNITS to split short and long chains elsewhere, and must reach both.
+    _chains.split_from(globals())
+    common_prefix = _chains.common_prefix
+    held_prefix = _chains.held_prefix
+    ChainSet = _chains.ChainSet
