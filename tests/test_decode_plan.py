@@ -4,8 +4,10 @@ was built."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
+from array import array
 from typing import Any
 
 import numpy as np
@@ -72,7 +74,11 @@ def _run(fn: Any, args: tuple[Any, ...]) -> Any:
 @settings(max_examples=400, deadline=None)
 @given(_batches())
 def test_the_c_pass_plans_what_the_python_pass_plans(args: tuple[Any, ...]) -> None:
-    assert _run(native_steps, args) == _run(plan_steps, args)
+    want = _run(plan_steps, args)
+    assert _run(native_steps, args) == want
+    # The draws as UniformStream keeps them (C doubles, read in place): the same plan.
+    as_doubles = (*args[:7], array("d", args[7]), *args[8:])
+    assert _run(native_steps, as_doubles) == want
 
 
 def test_the_pass_stops_before_a_finishing_step_and_before_a_step_that_would_preempt() -> None:
@@ -98,8 +104,8 @@ def test_the_pass_stops_before_a_finishing_step_and_before_a_step_that_would_pre
 
 def test_mtp_draws_are_read_as_sample_accepted_reads_them() -> None:
     # beta 0.5, k_lat 3: draws 0.1 0.2 0.9 -> two accepted (the rejection is read); 0.9 -> none; 0.1 0.1 0.1 -> three.
-    u = [0.1, 0.2, 0.9, 0.9, 0.1, 0.1, 0.1, 0.9]
-    for fn in filter(None, (plan_steps, native_steps)):
+    draws_list = [0.1, 0.2, 0.9, 0.9, 0.1, 0.1, 0.1, 0.9]
+    for fn, u in itertools.product(filter(None, (plan_steps, native_steps)), (draws_list, array("d", draws_list))):
         k, gained, _, _, draws, _ = fn([100], [50], [200], [200], 3, 64, 3, u, 0, 0.5, 3, True, 10, 10)
         assert k == 3
         assert gained == [3, 4, 8]  # 1 + 2, 1 + 0, 1 + 3
@@ -113,8 +119,10 @@ def test_the_c_pass_refuses_bad_arguments_with_a_message() -> None:
         native_steps(*ok[:5])
     with pytest.raises(TypeError, match="rem must be a list of 1 ints"):
         native_steps(ok[0], [1, 2], *ok[2:])
-    with pytest.raises(TypeError, match="u must be a list"):
+    with pytest.raises(TypeError, match="u must be a list of floats or a buffer of doubles"):
         native_steps(*ok[:7], (0.5,), *ok[8:])
+    with pytest.raises(TypeError, match="buffer of doubles"):
+        native_steps(*ok[:7], array("f", [0.5]), *ok[8:])
     with pytest.raises(ValueError, match="block size"):
         native_steps(*ok[:5], 0, *ok[6:])
     # Too few draws for the samples: an IndexError, as the twin's list read gives, never a read past the buffer.
@@ -122,32 +130,31 @@ def test_the_c_pass_refuses_bad_arguments_with_a_message() -> None:
     with pytest.raises(IndexError):
         native_steps(*short)
     with pytest.raises(IndexError):
+        native_steps(*short[:7], array("d", short[7]), *short[8:])
+    with pytest.raises(IndexError):
         plan_steps(*short)
 
 
 @needs_native
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 2**32), st.integers(0, 40), st.integers(0, 50), st.integers(0, 60))
-def test_the_c_draws_are_the_numpy_draws(seed: int, pairs: int, tail: int, i: int) -> None:
+@given(st.integers(0, 2**32), st.integers(0, 40))
+def test_the_c_draws_are_the_numpy_draws(seed: int, pairs: int) -> None:
     raw = np.random.MT19937(seed).random_raw(2 * pairs)
     # Words at the extremes too: every bit that survives the shifts, and none.
     if pairs:
         raw[:2] = [0xFFFFFFFF, 0xFFFFFFFF]
         raw[-2:] = [0, 0]
-    old = [random.Random(seed).random() for _ in range(tail)]
-    got = native_doubles(raw, old, i)
-    assert got == _doubles(raw, old, i)
-    assert all(0.0 <= x < 1.0 for x in got)
+    got = native_doubles(raw)
+    assert got == _doubles(raw)
+    assert len(got) == 8 * pairs and all(0.0 <= x < 1.0 for x in array("d", got))
 
 
 @needs_native
 def test_the_c_draws_refuse_what_is_not_a_uint64_buffer() -> None:
     with pytest.raises(TypeError, match="uint64"):
-        native_doubles(np.zeros(4, dtype=np.float64), [], 0)
-    with pytest.raises(TypeError, match="tail must be a list"):
-        native_doubles(np.zeros(4, dtype=np.uint64), (), 0)
-    with pytest.raises(ValueError, match="cursor"):
-        native_doubles(np.zeros(4, dtype=np.uint64), [], -1)
+        native_doubles(np.zeros(4, dtype=np.float64))
+    with pytest.raises(TypeError):
+        native_doubles([1, 2])
 
 
 def test_the_planner_uses_the_c_pass_where_it_was_built() -> None:

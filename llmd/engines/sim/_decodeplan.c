@@ -7,9 +7,9 @@
  *
  * steps(ctx, rem, held, next_full, k_spec, bs, max_steps, u, pos, beta, k_lat, mtp, free, silent)
  *   -> (k, gained, events, kv_steps, draws, totals): see plan_steps in decode_run.py, the twin this is held to
- *   (tests/test_decode_plan.py). doubles(raw, tail, i): the MTP draws the plans read, made from the generator's words
- *   (uniforms._doubles, its twin). line_times(line, totals): the steps' times on a latency model's decode line
- *   (llmd.perf.latency.line_times, its twin).
+ *   (tests/test_decode_plan.py); `u` is UniformStream's buffer of doubles or a list of floats. doubles(raw): the MTP
+ *   draws the plans read, made from the generator's words, packed (uniforms._doubles, its twin). line_times(line,
+ *   totals): the steps' times on a latency model's decode line (llmd.perf.latency.line_times, its twin).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -78,9 +78,18 @@ static PyObject *steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "ctx must be a list of ints");
         return NULL;
     }
+    /* The draws: UniformStream's buffer of C doubles (read in place), or a list of floats (the Python twin's form). */
+    Py_buffer u_view = {0};
+    const double *u_d = NULL;
     if (!PyList_Check(u)) {
-        PyErr_SetString(PyExc_TypeError, "u must be a list of floats");
-        return NULL;
+        if (PyObject_GetBuffer(u, &u_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || u_view.itemsize != 8 ||
+            u_view.format == NULL || strcmp(u_view.format, "d") != 0) {
+            if (u_view.obj != NULL) PyBuffer_Release(&u_view);
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "u must be a list of floats or a buffer of doubles");
+            return NULL;
+        }
+        u_d = (const double *)u_view.buf;
     }
     Py_ssize_t n = PyList_GET_SIZE(ctx_o);
     long long k_spec = PyLong_AsLongLong(args[4]);
@@ -92,9 +101,9 @@ static PyObject *steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     int mtp = PyObject_IsTrue(args[11]);
     long long free_blocks = PyLong_AsLongLong(args[12]);
     long long silent = PyLong_AsLongLong(args[13]);
-    if (PyErr_Occurred() || mtp < 0) return NULL;
-    if (bs < 1) {
-        PyErr_SetString(PyExc_ValueError, "block size must be >= 1");
+    if (PyErr_Occurred() || mtp < 0 || bs < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "block size must be >= 1");
+        if (u_d != NULL) PyBuffer_Release(&u_view);
         return NULL;
     }
 
@@ -113,7 +122,7 @@ static PyObject *steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     if (!(events_o = PyList_New(0)) || !(kv_o = PyList_New(0))) goto done;
 
-    Py_ssize_t n_u = PyList_GET_SIZE(u);
+    Py_ssize_t n_u = u_d != NULL ? u_view.len / 8 : PyList_GET_SIZE(u);
     Py_ssize_t p0 = pos;
     long long allocated = 0;
     Py_ssize_t k = 0;
@@ -148,7 +157,8 @@ static PyObject *steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
                         PyErr_SetString(PyExc_IndexError, "MTP draws ran out (ahead() showed too few)");
                         goto done;
                     }
-                    double x = PyFloat_AS_DOUBLE(PyList_GET_ITEM(u, pos));
+                    double x = u_d != NULL ? u_d[pos] : PyFloat_AsDouble(PyList_GET_ITEM(u, pos));
+                    if (x == -1.0 && u_d == NULL && PyErr_Occurred()) goto done;
                     pos++;
                     if (x >= beta) break;
                     a++;
@@ -202,6 +212,7 @@ static PyObject *steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     result = Py_BuildValue("(nOOOOO)", k, gained_o, events_o, kv_o, draws_o, totals_o);
 
 done:
+    if (u_d != NULL) PyBuffer_Release(&u_view);
     PyMem_Free(ctx);
     PyMem_Free(rem);
     PyMem_Free(held);
@@ -218,27 +229,14 @@ done:
     return result;
 }
 
-/* doubles(raw, tail, i) -> tail[i:] + CPython random()'s doubles from MT19937 words, as uniforms.py's _fill works them
- * out with numpy: each pair (a, b) of raw (a uint64 buffer) gives ((a >> 5) * 2**26 + (b >> 6)) / 2**53. One pass
- * instead of six array operations and tolist(): the MTP draws' refills were ~4% of a steady-state second. */
-static PyObject *doubles(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "doubles() takes 3 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *tail = args[1];
-    if (!PyList_Check(tail)) {
-        PyErr_SetString(PyExc_TypeError, "tail must be a list of floats");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[2]);
-    if (i == -1 && PyErr_Occurred()) return NULL;
-    if (i < 0) {
-        PyErr_SetString(PyExc_ValueError, "the cursor must be >= 0");
-        return NULL;
-    }
+/* doubles(raw) -> bytes: CPython random()'s doubles from MT19937 words, packed (native doubles), as uniforms.py's
+ * _doubles works them out with numpy: each pair (a, b) of raw (a uint64 buffer) gives ((a >> 5) * 2**26 + (b >> 6)) /
+ * 2**53. One pass instead of six array operations; packed, because UniformStream keeps its draws as C doubles that the
+ * planner (steps) reads in place: a float object a draw, and copying the unread ones at each refill, were ~2% of a
+ * 544-GPU run. */
+static PyObject *doubles(PyObject *self, PyObject *arg) {
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
     if (view.itemsize != 8 || view.format == NULL || (strcmp(view.format, "Q") != 0 && strcmp(view.format, "L") != 0 &&
                                                       strcmp(view.format, "<Q") != 0 && strcmp(view.format, "=Q") != 0)) {
         PyBuffer_Release(&view);
@@ -247,28 +245,15 @@ static PyObject *doubles(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     const uint64_t *raw = (const uint64_t *)view.buf;
     Py_ssize_t m = view.len / 16;
-    Py_ssize_t n_tail = PyList_GET_SIZE(tail);
-    if (i > n_tail) i = n_tail;
-    PyObject *out = PyList_New(n_tail - i + m);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, m * (Py_ssize_t)sizeof(double));
     if (out == NULL) {
         PyBuffer_Release(&view);
         return NULL;
     }
-    Py_ssize_t k = 0;
-    for (Py_ssize_t j = i; j < n_tail; j++) {
-        PyObject *x = PyList_GET_ITEM(tail, j);
-        Py_INCREF(x);
-        PyList_SET_ITEM(out, k++, x);
-    }
+    double *d = (double *)PyBytes_AS_STRING(out);
     for (Py_ssize_t j = 0; j < m; j++) {
         double a = (double)(raw[2 * j] >> 5), b = (double)(raw[2 * j + 1] >> 6);
-        PyObject *x = PyFloat_FromDouble((a * 67108864.0 + b) * (1.0 / 9007199254740992.0));
-        if (x == NULL) {
-            Py_DECREF(out);
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, k++, x);
+        d[j] = (a * 67108864.0 + b) * (1.0 / 9007199254740992.0);
     }
     PyBuffer_Release(&view);
     return out;
@@ -336,8 +321,8 @@ static PyMethodDef methods[] = {
     {"steps", (PyCFunction)(void (*)(void))steps, METH_FASTCALL,
      "steps(ctx, rem, held, next_full, k_spec, bs, max_steps, u, pos, beta, k_lat, mtp, free, silent) -> "
      "(k, gained, events, kv_steps, draws, totals): decode_run.plan_steps in C."},
-    {"doubles", (PyCFunction)(void (*)(void))doubles, METH_FASTCALL,
-     "doubles(raw, tail, i) -> tail[i:] + random()'s doubles from raw MT19937 word pairs: uniforms._doubles in C."},
+    {"doubles", (PyCFunction)doubles, METH_O,
+     "doubles(raw) -> bytes: random()'s doubles from MT19937 words, packed: uniforms._doubles in C."},
     {"line_times", (PyCFunction)(void (*)(void))line_times, METH_FASTCALL,
      "line_times(line, totals) -> each total context's step time: llmd.perf.latency.line_times in C."},
     {NULL, NULL, 0, NULL},

@@ -17,7 +17,7 @@ Why: in a large simulated fleet most engine steps are small decode batches, and 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +233,7 @@ def plan(core: EngineCore, now: float, max_steps: int) -> DecodeRun | None:
         return None
     lat = core.latency
     mtp = core._mtp_draws
-    u: list[float] = []
+    u: Any = []  # the draws: a list, or the stream's array of doubles (ahead)
     pos = 0
     beta, k_lat = 0.0, 0
     mtp_on = False
@@ -292,7 +292,7 @@ def plan_steps(
     k_spec: int,
     bs: int,
     max_steps: int,
-    u: list[float],
+    u: Sequence[float],
     pos: int,
     beta: float,
     k_lat: int,
@@ -428,7 +428,7 @@ def _durations(lat: StepCostModel, ctx: list[int], gained: list[int], total: lis
 
 
 _Steps = Callable[
-    [list[int], list[int], list[int], list[int], int, int, int, list[float], int, float, int, bool, int, int],
+    [list[int], list[int], list[int], list[int], int, int, int, Sequence[float], int, float, int, bool, int, int],
     tuple[int, list[int], list[tuple[int, int, int]], list[int], "list[int] | None", list[float]],
 ]
 _steps: _Steps = DECODE_PLAN_C.steps if DECODE_PLAN_C is not None else plan_steps

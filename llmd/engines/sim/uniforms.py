@@ -4,8 +4,8 @@
 generator and the 53-bit double), so swapping it in changes no result. The single-step path hands it to the latency
 model's `sample_accepted` as before; decode fast-forward (decode_run.py) reads the next draws without consuming them
 (`ahead`), works out how many k steps use (`accepted`, one sample at a time), and consumes only those (`skip`), so the
-stream is where single-stepping would have left it. The draws are kept as a list of floats: the planner reads them one
-at a time (compiled with the engine core, llmd/compiled.py), where numpy's per-element cost is what it would save.
+stream is where single-stepping would have left it. The draws are kept as C doubles (an array): the planner's C pass
+reads them in place; a single step reads one at a time, where numpy's per-element cost is what it would save.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 import os
 import random
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,13 +34,18 @@ class UniformStream:
         self._bits = np.random.MT19937()
         key = np.array(state[:624], dtype=np.uint32)
         self._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": state[624]}}
-        self._buf: list[float] = []
+        # C doubles, not a list of floats: the planner's C pass reads them in place, so a draw becomes a float object
+        # only where a single step reads it, and a refill moves the unread ones (memmove) instead of copying
+        # references to them into a new list.
+        self._buf = array("d")
         self._i = 0
 
     def _fill(self, need: int) -> None:
         """Keeps the unread draws and adds at least `need` more (in bulk: numpy's MT19937, CPython's maths)."""
         m = max(need, _CHUNK)
-        self._buf = _make_doubles(self._bits.random_raw(2 * m), self._buf, self._i)
+        buf = self._buf
+        del buf[: self._i]
+        buf.frombytes(_make_doubles(self._bits.random_raw(2 * m)))
         self._i = 0
 
     def random(self) -> float:
@@ -48,10 +54,11 @@ class UniformStream:
             self._fill(1)
             i = 0
         self._i = i + 1
-        return self._buf[i]
+        return self._buf[i]  # type: ignore[no-any-return]
 
-    def ahead(self, m: int) -> tuple[list[float], int]:
-        """(buffer, cursor): the next `m` draws are buffer[cursor:cursor + m], not consumed (read, never written)."""
+    def ahead(self, m: int) -> tuple[Any, int]:
+        """(buffer, cursor): the next `m` draws are buffer[cursor:cursor + m], not consumed (read, never written; an
+        array of doubles, valid until the next read that refills it)."""
         if self._i + m > len(self._buf):
             self._fill(m)
         return self._buf, self._i
@@ -59,21 +66,20 @@ class UniformStream:
     def peek(self, m: int) -> list[float]:
         """The next `m` draws, not consumed."""
         buf, i = self.ahead(m)
-        return buf[i : i + m]
+        return buf[i : i + m].tolist()  # type: ignore[no-any-return]
 
     def skip(self, c: int) -> None:
         """Consumes `c` draws (at most what `ahead` showed)."""
         self._i += c
 
 
-def _doubles(raw: np.ndarray, tail: list[float], i: int) -> list[float]:
-    """tail[i:] followed by CPython random()'s doubles from MT19937 words: (a >> 5) * 2**26 + (b >> 6), over 2**53,
-    for each pair (a, b) of `raw`; exact in doubles. `_decodeplan.doubles` is this in C (one pass, no arrays)."""
-    new: list[float] = (((raw[0::2] >> 5).astype(np.float64) * 67108864.0 + (raw[1::2] >> 6)) * _TWO53).tolist()
-    return tail[i:] + new if i < len(tail) else new
+def _doubles(raw: np.ndarray) -> bytes:
+    """CPython random()'s doubles from MT19937 words, packed: (a >> 5) * 2**26 + (b >> 6), over 2**53, for each pair
+    (a, b) of `raw`; exact in doubles. `_decodeplan.doubles` is this in C (one pass, no arrays)."""
+    return (((raw[0::2] >> 5).astype(np.float64) * 67108864.0 + (raw[1::2] >> 6)) * _TWO53).tobytes()
 
 
-def accepted(u: list[float], i: int, beta: float, k: int) -> tuple[int, int]:
+def accepted(u: Sequence[float], i: int, beta: float, k: int) -> tuple[int, int]:
     """One `sample_accepted` outcome read from the draws u[i:]: (drafts accepted, where the next sample reads).
     Drafts are accepted while draws are < `beta`, up to `k`; a rejection reads its draw, the k-th accept ends it."""
     a = 0
@@ -115,6 +121,4 @@ def _decode_plan_c() -> Any:
 
 
 DECODE_PLAN_C: Any = _decode_plan_c()
-_make_doubles: Callable[[np.ndarray, list[float], int], list[float]] = (
-    DECODE_PLAN_C.doubles if DECODE_PLAN_C is not None else _doubles
-)
+_make_doubles: Callable[[np.ndarray], bytes] = DECODE_PLAN_C.doubles if DECODE_PLAN_C is not None else _doubles
