@@ -15,7 +15,14 @@ from collections import OrderedDict
 import pytest
 
 from llmd.engines.sim import kv_cache
-from llmd.engines.sim.block_pool import NativeBlockPool, NativeCpuTier, PyBlockPool, PyCpuTier
+from llmd.engines.sim.block_pool import (
+    NativeBlockPool,
+    NativeCpuTier,
+    PyBlockPool,
+    PyCpuTier,
+    native_h64_tuple,
+    py_h64_tuple,
+)
 from llmd.engines.sim.kv_cache import KVCacheManager
 from llmd.engines.sim.request import SimRequest
 from llmd.kv.events import hash64
@@ -270,3 +277,15 @@ def test_a_store_job_passes_over_its_own_held_blocks_and_one_that_cannot_make_ro
     assert t.keys() == [b, d, e]
     t.touch([b])
     assert t.keys() == [d, e, b] and t.run([d, e, a], 0, 3) == 2
+
+
+@needs_native
+def test_the_c_64_bit_forms_are_hash64s() -> None:
+    rng = random.Random(3)
+    hashes: list[bytes | int] = [rng.randbytes(n) for n in (32, 8, 3, 0, 40)] + [7, 2**64 - 1]
+    assert native_h64_tuple(hashes) == py_h64_tuple(hashes) == tuple(hash64(h) for h in hashes)
+    assert native_h64_tuple(()) == ()
+    with pytest.raises(TypeError, match="bytes"):
+        native_h64_tuple(["not a hash"])
+    with pytest.raises(TypeError, match="sequence"):
+        native_h64_tuple(5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmd.kv.events import hash64
+from llmd.engines.sim.block_pool import h64_tuple
 from llmd.kv.hashing import BlockHasher
 from llmd.sim.tokens import TokenRuns
 
@@ -64,7 +64,7 @@ class ContextBuilder:
         if full > done:
             new = self.hasher.chain(hashes[-1] if hashes else None, toks, done * bs - lo, full - done)
             self.blocks_hashed += full - done
-            hashes, h64 = hashes + tuple(new), h64 + tuple(map(hash64, new))
+            hashes, h64 = hashes + tuple(new), h64 + h64_tuple(new)
         chunks = ctx.chunks
         if cfull > cstart:
             cs = list(chunks)

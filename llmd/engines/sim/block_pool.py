@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
-from llmd.kv.events import MASK64
+from llmd.kv.events import MASK64, hash64
 
 
 class BlockPoolLike(Protocol):
@@ -313,8 +313,17 @@ try:
         raise ImportError("LLMD_BLOCK_POOL_PURE_PYTHON=1")
     from llmd.engines.sim._blockpool import BlockPool as NativeBlockPool
     from llmd.engines.sim._blockpool import CpuTier as NativeCpuTier
+    from llmd.engines.sim._blockpool import h64_tuple as native_h64_tuple
 except ImportError:  # no compiler where llmd was installed (or asked not to): the pure-Python ones serve
-    NativeBlockPool = NativeCpuTier = None
+    NativeBlockPool = NativeCpuTier = native_h64_tuple = None
+
+
+def py_h64_tuple(hashes: Sequence[bytes | int]) -> tuple[int, ...]:
+    """Each hash's 64-bit form (llmd.kv.events.hash64: bytes converted, ints kept)."""
+    return tuple(map(hash64, hashes))
+
+
+h64_tuple: Callable[[Sequence[bytes | int]], tuple[int, ...]] = native_h64_tuple or py_h64_tuple
 
 
 def make_pool(num_blocks: int) -> BlockPoolLike:
