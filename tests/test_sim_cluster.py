@@ -49,9 +49,13 @@ if sim_tokens.native_run_tokens is None and os.environ.get("LLMD_REQUIRE_NATIVE"
 @pytest.mark.parametrize("seed", [0, 7, 2**64 - 1, 2**70 + 3, -5])
 def test_c_token_runs_are_the_python_ones(seed: int) -> None:
     native, py = sim_tokens.native_run_tokens, sim_tokens.py_run_tokens
-    for start, stop, vocab in [(0, 0, 10), (0, 5, 32_000), (3, 16, 7), (0, 17, 32_000), (10**9, 10**9 + 300, 151_552)]:
+    # Vocabularies growing and shrinking (the C side shares one int object per id), and one past what it shares.
+    runs = [(0, 0, 10), (0, 5, 32_000), (3, 16, 7), (0, 17, 32_000), (10**9, 10**9 + 300, 151_552), (0, 40, 2**21)]
+    for start, stop, vocab in runs:
         assert native(seed, start, stop, vocab) == py(seed, start, stop, vocab)  # numpy's path and the int one
     assert native(seed, 9, 3, 50) == []
+    a, b = native(seed, 0, 300, 32_000), native(seed, 0, 300, 32_000)
+    assert all(x is y for x, y in zip(a, b, strict=True))  # the same objects: an output's tokens cost no allocation
     for start, stop, vocab in [(0, 5, 32_000), (10**9, 10**9 + 300, 151_552), (9, 3, 50)]:
         packed = sim_tokens.run_tokens_packed(seed, start, stop, vocab)
         assert array.array("q", packed).tolist() == native(seed, start, stop, vocab)
