@@ -72,7 +72,7 @@ class TokenSampler:
         return t
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class SimRequest:
     """A generation request. The caller fills the first block of fields; the engine owns the rest.
 
@@ -80,53 +80,101 @@ class SimRequest:
     the random tokens resume. `prompt_block_hashes`, when given, are the prompt's full-block hashes as this engine's
     hasher computes them (the cluster simulator extends a session's hashes turn by turn instead of rehashing a 195K
     token context per request); `prompt_token_ids` may then be any sequence that slices to lists (llmd.sim.tokens).
+
+    __init__ is written out, with the signature the dataclass would generate: mypyc compiles it (not a generated one),
+    and a simulation makes one of these per request and hop.
     """
 
     request_id: str
     prompt_token_ids: Sequence[int]
     max_tokens: int
-    arrival_time: float = 0.0
-    cache_salt: str | None = None
-    eos_token_id: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    output_script: Sequence[int] | None = None
-    skip_reading_prefix_cache: bool = False  # vLLM: requests that want prompt logprobs compute every token
-    prompt_block_hashes: Sequence[bytes] | None = None
+    arrival_time: float
+    cache_salt: str | None
+    eos_token_id: int | None
+    kv_transfer_params: dict[str, Any] | None
+    output_script: Sequence[int] | None
+    skip_reading_prefix_cache: bool  # vLLM: requests that want prompt logprobs compute every token
+    prompt_block_hashes: Sequence[bytes] | None
 
     # --- engine-owned state -------------------------------------------------------------------------------------
-    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
-    num_tokens: int = field(default=0, init=False)  # prompt + output, kept current (read several times per step)
-    num_computed_tokens: int = field(default=0, init=False)
-    output_token_ids: list[int] = field(default_factory=list, init=False)
+    status: RequestStatus
+    num_tokens: int  # prompt + output, kept current (read several times per step)
+    num_computed_tokens: int
+    output_token_ids: list[int]
     # Chained full-block hashes over prompt + output, extended as tokens are appended (vLLM's request block hasher).
-    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    block_hashes: list[bytes]
     # Prefix-cache hit tokens at first scheduling (local + CPU tier + pulled); -1 until then, as vLLM reports.
-    num_cached_tokens: int = field(default=-1, init=False)
+    num_cached_tokens: int
     # Local + external hit tokens at first scheduling (vLLM's PrefillStats.num_cached_tokens, never overridden by the
     # prefill side's remote_prefill_cached_tokens): what the prefix cache held before this request wrote to it.
-    num_prefill_cached_tokens: int = field(default=0, init=False)
-    num_preemptions: int = field(default=0, init=False)
-    finish_reason: FinishReason | None = field(default=None, init=False)
-    first_scheduled_time: float | None = field(default=None, init=False)
-    first_token_time: float | None = field(default=None, init=False)
-    finished_time: float | None = field(default=None, init=False)
+    num_prefill_cached_tokens: int
+    num_preemptions: int
+    finish_reason: FinishReason | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
     # KV blocks, in sequence order, and how many leading ones are already in the prefix cache (vLLM keeps both in
     # its single-type manager; here they live on the request to save a dict lookup per step).
-    block_ids: list[int] = field(default_factory=list, init=False)
-    num_cached_blocks: int = field(default=0, init=False)
+    block_ids: list[int]
+    num_cached_blocks: int
     # P/D and P2P: a pull still to be done at first admission (vLLM flips do_remote_prefill off once it is handled).
-    pull_pending: bool = field(default=False, init=False)
+    pull_pending: bool
     # Tokens of this request's prompt that will arrive by pull, and the local hit they continue (for finish_pull).
-    pull_tokens: int = field(default=0, init=False)
-    pull_local_tokens: int = field(default=0, init=False)
-    rng: random.Random | None = field(default=None, init=False, repr=False)
+    pull_tokens: int
+    pull_local_tokens: int
+    rng: random.Random | None = field(repr=False)
     # The seed `rng` is made from on first use: most requests replay an output script and never draw, and seeding a
     # Random from a string (a SHA-512) was ~1% of a 544-GPU simulation.
-    rng_seed: str = field(default="", init=False, repr=False)
-    hasher: BlockHasher | None = field(default=None, init=False, repr=False)
+    rng_seed: str = field(repr=False)
+    hasher: BlockHasher | None = field(repr=False)
     # `output_script` as a list, made on the first draw: a script of runs (llmd.sim.tokens) costs a numpy call per
     # slice, and a decode reads it every step.
-    script_tokens: list[int] | None = field(default=None, init=False, repr=False)
+    script_tokens: list[int] | None = field(repr=False)
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        arrival_time: float = 0.0,
+        cache_salt: str | None = None,
+        eos_token_id: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        output_script: Sequence[int] | None = None,
+        skip_reading_prefix_cache: bool = False,
+        prompt_block_hashes: Sequence[bytes] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.cache_salt = cache_salt
+        self.eos_token_id = eos_token_id
+        self.kv_transfer_params = kv_transfer_params
+        self.output_script = output_script
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.prompt_block_hashes = prompt_block_hashes
+        self.status = RequestStatus.WAITING
+        self.num_tokens = 0
+        self.num_computed_tokens = 0
+        self.output_token_ids = []
+        self.block_hashes = []
+        self.num_cached_tokens = -1
+        self.num_prefill_cached_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason = None
+        self.first_scheduled_time = None
+        self.first_token_time = None
+        self.finished_time = None
+        self.block_ids = []
+        self.num_cached_blocks = 0
+        self.pull_pending = False
+        self.pull_tokens = 0
+        self.pull_local_tokens = 0
+        self.rng = None
+        self.rng_seed = ""
+        self.hasher = None
+        self.script_tokens = None
 
     @property
     def num_prompt_tokens(self) -> int:

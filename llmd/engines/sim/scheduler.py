@@ -15,7 +15,7 @@ its full prompt stay free: otherwise parked requests could hold the pool while t
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .kv_cache import KVCacheManager
 from .request import RequestStatus, SimRequest
@@ -26,16 +26,33 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class SchedulerOutput:
-    """What one step computes. Prefill chunks include resumed (preempted) requests recomputing their tokens."""
+    """What one step computes. Prefill chunks include resumed (preempted) requests recomputing their tokens.
+    (__init__ written out: mypyc compiles it, not the dataclass's generated one; one is made every step.)"""
 
-    prefills: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, new tokens); context = computed
-    decodes: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, 1 + draft tokens)
-    num_scheduled_tokens: int = 0
-    preempted: list[SimRequest] = field(default_factory=list)
-    new_pulls: list[SimRequest] = field(default_factory=list)  # entered WAITING_FOR_REMOTE_KVS this step
-    cpu_restore_tokens: list[int] = field(default_factory=list)  # per admitted request that hit the CPU tier
+    prefills: list[tuple[SimRequest, int]]  # (request, new tokens); context = computed
+    decodes: list[tuple[SimRequest, int]]  # (request, 1 + draft tokens)
+    num_scheduled_tokens: int
+    preempted: list[SimRequest]
+    new_pulls: list[SimRequest]  # entered WAITING_FOR_REMOTE_KVS this step
+    cpu_restore_tokens: list[int]  # per admitted request that hit the CPU tier
+
+    def __init__(
+        self,
+        prefills: list[tuple[SimRequest, int]] | None = None,
+        decodes: list[tuple[SimRequest, int]] | None = None,
+        num_scheduled_tokens: int = 0,
+        preempted: list[SimRequest] | None = None,
+        new_pulls: list[SimRequest] | None = None,
+        cpu_restore_tokens: list[int] | None = None,
+    ) -> None:
+        self.prefills = [] if prefills is None else prefills
+        self.decodes = [] if decodes is None else decodes
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.preempted = [] if preempted is None else preempted
+        self.new_pulls = [] if new_pulls is None else new_pulls
+        self.cpu_restore_tokens = [] if cpu_restore_tokens is None else cpu_restore_tokens
 
 
 class EngineScheduler:
