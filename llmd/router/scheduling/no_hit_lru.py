@@ -85,7 +85,9 @@ class NoHitLRUScorer:
         if not last:
             return np.ones(n)
         stamps = self._stamps[ctx.columns.holder_ids(self)[idx]]  # fancy indexing: a copy
-        used = np.unique(stamps[stamps != 0])
+        # Each holder's stamp is its own clock tick: the used ones are distinct, and sorting them is np.unique's
+        # answer without its deduplication pass (~1% of a 544-GPU simulation's decisions).
+        used = np.sort(stamps[stamps != 0])
         if not len(used):
             return np.ones(n)
         m = len(used)
