@@ -109,6 +109,9 @@ class SimRouter:
         self.finished: list[Call] = []  # the router's rows, taken by the recorder
         self.p2p_lookups = 0
         self._pulling: dict[str, Call] = {}  # engine request id -> its call, for legs sent with KV to pull
+        # A decode run hands every request of its batch the same list of step ends (_record_run): the last list seen
+        # and its times at the client, worked out once for the batch.
+        self._shifted: list[Any] = [None, []]
         fleet.on_pull = self._pulled
 
     # ---- KV events into the index ---------------------------------------------------------------------------------
@@ -271,7 +274,7 @@ class SimRouter:
             call.pull_id = req.request_id
             self._pulling[req.request_id] = call
         # partial, not lambdas: called for every output and decode run, and a partial adds no Python frame.
-        record = None if self._stream else partial(_record_run, job.handle, hop_s=self.params.hop_s)
+        record = None if self._stream else partial(_record_run, job.handle, hop_s=self.params.hop_s, memo=self._shifted)
         self._to_engine(rank, req, job, partial(self._decode_out, job), record)
 
     def _pulled(self, request_id: str, ok: bool, tokens: int, nbytes: float, seconds: float) -> None:
@@ -336,7 +339,10 @@ def _record_tokens(call: Call, out: RequestOutput, at: float) -> None:
         call.output_tokens += len(out.new_token_ids)
 
 
-def _record_run(call: Call, times: list[float], tokens: int, hop_s: float) -> None:
-    """Outputs inside a decode run, after the first: what _record_tokens does for each, their step ends + a hop."""
-    call.token_times += [t + hop_s for t in times]
+def _record_run(call: Call, times: list[float], tokens: int, hop_s: float, memo: list[Any]) -> None:
+    """Outputs inside a decode run, after the first: what _record_tokens does for each, their step ends + a hop.
+    `memo`: [the step ends last shifted, their shifted times] (held, so `is` cannot match a new list at its address)."""
+    if memo[0] is not times:
+        memo[0], memo[1] = times, [t + hop_s for t in times]
+    call.token_times += memo[1]
     call.output_tokens += tokens
