@@ -34,9 +34,18 @@ def test_token_runs_slice_like_the_tokens_they_stand_for() -> None:
     assert list(t.prefix(320)) == whole[:320]
     assert t.extend(11, 5)[:400] == whole  # extending shares, never changes, what was there
     assert all(0 <= x < 50_000 for x in whole) and len(set(whole)) > 350  # random-looking text
-    for a, b in ((0, 400), (250, 330), (299, 301), (350, 900), (7, 7)):  # the packed form, across runs too
-        packed = t.packed(a, b)
-        assert (packed if isinstance(packed, list) else array.array("q", packed).tolist()) == whole[a:b]
+    # The packed form, across runs too, and of runs that start inside their stream (an offset) or are cut short.
+    cut = TokenRuns(((5, 10, 30), (6, 0, 40), (8, 3, 0), (9, 7, 25)), vocab=1000)
+    for seq in (t, t.prefix(333).extend(13, 20), cut):
+        items = list(seq)
+        for a, b in ((0, 400), (250, 330), (299, 301), (350, 900), (7, 7), (29, 71), (70, 95), (0, 1)):
+            packed = seq.packed(a, b)
+            assert (packed if isinstance(packed, list) else array.array("q", packed).tolist()) == items[a:b]
+    if sim_tokens.span_packed is not None:
+        with pytest.raises(TypeError, match="seed, offset, length"):
+            sim_tokens.span_packed(((1, 2),), [0], 0, 5, 100)
+        with pytest.raises(ValueError, match="one position per run"):
+            sim_tokens.span_packed(((1, 0, 5),), [], 0, 5, 100)
 
 
 # Without a compiler the C token runs are not built and numpy serves; `make test` sets LLMD_REQUIRE_NATIVE=1 so a build

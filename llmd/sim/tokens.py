@@ -55,9 +55,9 @@ try:
     if os.environ.get("LLMD_SIM_TOKENS_PURE_PYTHON") == "1":
         raise ImportError("LLMD_SIM_TOKENS_PURE_PYTHON=1")
     from llmd.sim._tokens import run_tokens as native_run_tokens
-    from llmd.sim._tokens import run_tokens_packed
+    from llmd.sim._tokens import run_tokens_packed, span_packed
 except ImportError:  # no compiler where llmd was installed (or asked not to): numpy serves, the same values
-    native_run_tokens = run_tokens_packed = None
+    native_run_tokens = run_tokens_packed = span_packed = None
 run_tokens = native_run_tokens or py_run_tokens
 
 
@@ -125,10 +125,9 @@ class TokenRuns(Sequence[int]):
     def packed(self, start: int, stop: int) -> bytes | list[int]:
         """Tokens [start, stop) as native int64s in bytes, for a reader that hashes them (BlockHasher.chain) and
         never looks at one: no int object a token. A list (`tokens`) where the C runs are not built."""
-        if run_tokens_packed is None:
+        if span_packed is None:
             return self.tokens(start, stop)
-        parts = [run_tokens_packed(seed, a, b, self.vocab) for seed, a, b in self._pieces(start, stop)]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return span_packed(self._runs, self._starts, start, stop, self.vocab)  # type: ignore[no-any-return]
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) as a list."""
