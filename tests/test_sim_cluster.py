@@ -66,7 +66,8 @@ def test_c_token_runs_are_the_python_ones(seed: int) -> None:
     a, b = native(seed, 0, 300, 32_000), native(seed, 0, 300, 32_000)
     assert all(x is y for x, y in zip(a, b, strict=True))  # the same objects: an output's tokens cost no allocation
     for start, stop, vocab in [(0, 5, 32_000), (10**9, 10**9 + 300, 151_552), (9, 3, 50)]:
-        packed = sim_tokens.run_tokens_packed(seed, start, stop, vocab)
+        n = max(0, stop - start)  # one run of the seed's stream from `start`
+        packed = sim_tokens.span_packed(((seed, start, n),), [0], 0, n, vocab)
         assert array.array("q", packed).tolist() == native(seed, start, stop, vocab)
     with pytest.raises(ValueError, match="vocab must be >= 1"):
         native(seed, 0, 3, 0)

@@ -2,7 +2,8 @@
  *
  * Why: agents' contexts and engines' outputs read their tokens on demand (a turn's new tokens to hash, a decode's
  * output), and numpy's fixed cost per call plus its array-to-list conversion made that ~6% of a 544-GPU run. The
- * tokens a context's new blocks hash come packed (run_tokens_packed): the block hasher's C pickle reads them there.
+ * tokens a context's new blocks hash come packed as int64s (span_packed), never as int objects (~1M a simulated
+ * second): the block hasher's C pickle reads them there.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -80,22 +81,9 @@ static PyObject *run_tokens(PyObject *Py_UNUSED(m), PyObject *args) {
     return out;
 }
 
-/* The same tokens packed as native int64s in a bytes object: what the block hasher's C pickle reads (a context's new
- * tokens are hashed, never looked at one by one: no int object is made for each of the ~1M a simulated second). */
-static PyObject *run_tokens_packed(PyObject *Py_UNUSED(m), PyObject *args) {
-    uint64_t seed, vocab;
-    Py_ssize_t start, n;
-    if (!parse_run(args, &seed, &start, &n, &vocab)) return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
-    if (out == NULL) return NULL;
-    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t k = 0; k < n; k++) dst[k] = (int64_t)token_at(seed, start + k, vocab);
-    return out;
-}
-
 /* span_packed(runs, starts, start, stop, vocab) -> bytes: TokenRuns.packed's whole read in one call. `runs` is a
  * TokenRuns' tuple of (seed, offset, length) and `starts` each run's first position; tokens [start, stop) of the
- * sequence, run by run, packed as run_tokens_packed packs them. A context's extension reads its new tokens this way
+ * sequence, run by run, packed as native int64s. A context's extension reads its new tokens this way
  * once a turn, and finding the pieces in Python, packing each and joining them was ~1.5% of a 544-GPU run. */
 static PyObject *span_packed(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *runs, *starts;
@@ -167,8 +155,6 @@ static PyMethodDef methods[] = {
     {"run_tokens", run_tokens, METH_VARARGS,
      "run_tokens(seed, start, stop, vocab) -> tokens [start, stop) of run `seed`: splitmix64 of (seed, position) "
      "modulo vocab"},
-    {"run_tokens_packed", run_tokens_packed, METH_VARARGS,
-     "run_tokens_packed(seed, start, stop, vocab) -> run_tokens' tokens as native int64s in bytes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -55,9 +55,9 @@ try:
     if os.environ.get("LLMD_SIM_TOKENS_PURE_PYTHON") == "1":
         raise ImportError("LLMD_SIM_TOKENS_PURE_PYTHON=1")
     from llmd.sim._tokens import run_tokens as native_run_tokens
-    from llmd.sim._tokens import run_tokens_packed, span_packed
+    from llmd.sim._tokens import span_packed
 except ImportError:  # no compiler where llmd was installed (or asked not to): numpy serves, the same values
-    native_run_tokens = run_tokens_packed = span_packed = None
+    native_run_tokens = span_packed = None
 run_tokens = native_run_tokens or py_run_tokens
 
 
