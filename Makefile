@@ -6,9 +6,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.stamp
 # The compiled parts (the KV index core, the block hasher's pickle, the simulated engine's block pool, decode planner
-# and mypyc-compiled core, the router's chain sets, the simulator's token runs, event loop and huge pages), built by
+# and mypyc-compiled core, the router's chain sets and scoring pass, the simulator's token runs, event loop and huge pages), built by
 # `pip install -e .` (setup.py): a change to one reinstalls, which rebuilds them.
-NATIVE := setup.py llmd/kv/_kvnative.c llmd/kv/_blockpickle.c llmd/engines/sim/_blockpool.c llmd/engines/sim/_decodeplan.c llmd/sim/_tokens.c llmd/sim/_loop.c llmd/sim/_hugepages.c llmd/router/scheduling/_chains.c llmd/compiled.py \
+NATIVE := setup.py llmd/kv/_kvnative.c llmd/kv/_blockpickle.c llmd/engines/sim/_blockpool.c llmd/engines/sim/_decodeplan.c llmd/sim/_tokens.c llmd/sim/_loop.c llmd/sim/_hugepages.c llmd/router/scheduling/_chains.c llmd/router/scheduling/_fused.c llmd/compiled.py \
 	  llmd/engines/sim/core.py llmd/engines/sim/decode_run.py llmd/engines/sim/kv_cache.py llmd/engines/sim/request.py \
 	  llmd/engines/sim/scheduler.py llmd/engines/sim/uniforms.py llmd/sim/engines.py
 

@@ -1,15 +1,15 @@
 """llmd's compiled parts: the KV index's core (llmd/kv/_kvnative.c), the block hasher's pickle
 (llmd/kv/_blockpickle.c), the simulated engine's block pool and CPU tier (llmd/engines/sim/_blockpool.c) and its decode
-planner's pass over the steps (llmd/engines/sim/_decodeplan.c), the router's chain sets
-(llmd/router/scheduling/_chains.c), the cluster simulator's token runs and event loop (llmd/sim/_tokens.c,
+planner's pass over the steps (llmd/engines/sim/_decodeplan.c), the router's chain sets and scoring pass
+(llmd/router/scheduling/_chains.c, _fused.c), the cluster simulator's token runs and event loop (llmd/sim/_tokens.c,
 llmd/sim/_loop.c) and its heap in huge pages (llmd/sim/_hugepages.c, nothing in its place where it is not built), and
 the simulated engine's core compiled from its Python source by mypyc (llmd/compiled.py: which modules, and when their
 source runs instead). Everything else is in pyproject.toml.
 
 `pip install -e .` builds them; without a compiler (or mypy) llmd still works on their pure-Python twins
 (llmd/kv/pyindex.py, pickle in llmd/kv/hashing.py, llmd/engines/sim/block_pool.py, plan_steps in
-llmd/engines/sim/decode_run.py, llmd/router/scheduling/chains.py, llmd/sim/tokens.py, llmd/sim/loop.py) and the engine
-core's source.
+llmd/engines/sim/decode_run.py, llmd/router/scheduling/chains.py and fused.py, llmd/sim/tokens.py, llmd/sim/loop.py)
+and the engine core's source.
 LLMD_PURE_PYTHON=1 at build time skips the mypyc compile.
 """
 
@@ -86,6 +86,13 @@ setup(
             "llmd.router.scheduling._chains",
             ["llmd/router/scheduling/_chains.c"],
             extra_compile_args=C_FLAGS,
+            optional=True,
+        ),
+        Extension(
+            "llmd.router.scheduling._fused",
+            ["llmd/router/scheduling/_fused.c"],
+            # The same floats as fused.py's numpy: no fused multiply-adds.
+            extra_compile_args=[*C_FLAGS, "-ffp-contract=off"],
             optional=True,
         ),
         Extension("llmd.sim._loop", ["llmd/sim/_loop.c"], extra_compile_args=C_FLAGS, optional=True),

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from llmd.router.scheduling.fused import K_KVUTIL, K_LOAD, K_QUEUE, K_TOKENLOAD, Term, column
 from llmd.router.scheduling.plugins import Input, ScorerPlugin, ScoringContext, register_scorer
 from llmd.router.scheduling.state import Candidate
 
@@ -30,15 +31,12 @@ class QueueScorer:
         span = hi - lo
         return [(hi - q) / span for q in qs]
 
-    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+    def term(self, ctx: ScoringContext) -> Term:
         assert ctx.columns is not None
-        qs = ctx.columns.waiting[idx]
-        if not len(qs):
-            return np.zeros(0)
-        lo, hi = int(qs.min()), int(qs.max())
-        if hi == lo:
-            return np.ones(len(qs))
-        return (hi - qs) / (hi - lo)  # int64 / int: each the correctly rounded quotient, as Python's
+        return (K_QUEUE, ctx.columns.waiting)
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        return column(self.term(ctx), idx)
 
 
 class KVUtilScorer:
@@ -51,10 +49,12 @@ class KVUtilScorer:
         free = [1.0 - c.state.kv_usage for c in cands]
         return [(x if x < 1.0 else 1.0) if x > 0.0 else 0.0 for x in free]
 
-    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+    def term(self, ctx: ScoringContext) -> Term:
         assert ctx.columns is not None
-        free = 1.0 - ctx.columns.kv_usage[idx]
-        return np.where(free > 0.0, np.minimum(free, 1.0), 0.0)
+        return (K_KVUTIL, ctx.columns.kv_usage)
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        return column(self.term(ctx), idx)
 
 
 class LoadAwareScorer:
@@ -72,9 +72,12 @@ class LoadAwareScorer:
         t = self.threshold
         return [0.5 * max(0.0, 1.0 - max(0, c.state.waiting) / t) for c in cands]
 
-    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+    def term(self, ctx: ScoringContext) -> Term:
         assert ctx.columns is not None
-        return 0.5 * np.maximum(0.0, 1.0 - np.maximum(0, ctx.columns.waiting[idx]) / self.threshold)
+        return (K_LOAD, ctx.columns.waiting, self.threshold)
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        return column(self.term(ctx), idx)
 
 
 class TokenLoadScorer:
@@ -101,12 +104,13 @@ class TokenLoadScorer:
             out.append(1.0 - min(1.0, (max(0, c.state.inflight_tokens) + max(0, own)) / lim))
         return out
 
-    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+    def term(self, ctx: ScoringContext) -> Term:
         assert ctx.columns is not None
-        n = max(0, ctx.req.num_tokens)
-        own = n - ctx.hit_cols.tokens[idx] if ctx.hit_cols is not None else np.full(len(idx), n)
-        work = np.maximum(0, ctx.columns.inflight_tokens[idx]) + np.maximum(0, own)
-        return 1.0 - np.minimum(1.0, work / self.limit)
+        hits = ctx.hit_cols.tokens if ctx.hit_cols is not None else None
+        return (K_TOKENLOAD, ctx.columns.inflight_tokens, hits, max(0, ctx.req.num_tokens), self.limit)
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        return column(self.term(ctx), idx)
 
 
 _ENGINE: frozenset[Input] = frozenset({"engine_state"})

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from llmd.kv.indexbase import new_ids_version
+from llmd.router.scheduling.fused import K_CONST, K_LRU, Term, column
 from llmd.router.scheduling.plugins import ScorerPlugin, ScoringContext, register_scorer
 from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteRequest
 
@@ -76,22 +77,16 @@ class NoHitLRUScorer:
         rank = {s: i for i, s in enumerate(used)}
         return [1.0 if not s else (m - rank[s]) / (m + 1) for s in stamps]
 
-    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+    def term(self, ctx: ScoringContext) -> Term:
         assert ctx.columns is not None
-        n = len(idx)
-        last = self._last
         if ctx.cold is False:
-            return np.full(n, 0.5)
-        if not last:
-            return np.ones(n)
-        stamps = self._stamps[ctx.columns.holder_ids(self)[idx]]  # fancy indexing: a copy
-        # Each holder's stamp is its own clock tick: the used ones are distinct, and sorting them is np.unique's
-        # answer without its deduplication pass (~1% of a 544-GPU simulation's decisions).
-        used = np.sort(stamps[stamps != 0])
-        if not len(used):
-            return np.ones(n)
-        m = len(used)
-        return np.where(stamps == 0, 1.0, (m - np.searchsorted(used, stamps)) / (m + 1))
+            return (K_CONST, 0.5)
+        if not self._last:
+            return (K_CONST, 1.0)
+        return (K_LRU, self._stamps, ctx.columns.holder_ids(self))
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        return column(self.term(ctx), idx)
 
 
 register_scorer(ScorerPlugin("no-hit-lru", lambda s: NoHitLRUScorer(), spreads_cold=True))

@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from llmd.router.scheduling import filters
+from llmd.router.scheduling import filters, fused
 from llmd.router.scheduling.columns import Columns, HitColumns
 from llmd.router.scheduling.load import LOAD_AWARE_THRESHOLD, TOKEN_LOAD_LIMIT
 from llmd.router.scheduling.pd import (
@@ -169,6 +169,9 @@ class Scheduler:
         # shared prefix happens to sit says nothing about where its session should live.
         spread = any(p.spreads_cold for p in plugins)
         self._cold_columns = tuple(c for c, p in zip(self.columns, plugins, strict=True) if not (spread and p.prefix))
+        # Per pass (warm, cold): names, weights and each scorer's `term` (None where a scorer has none: then each
+        # scores its own column in numpy).
+        self._passes = {cold: _pass(c) for cold, c in ((False, self.columns), (True, self._cold_columns))}
         # Learning: the scorers in use, and the precise policy's prefix source even without a weight (its speculative
         # entries back the hit counts the load scorers, P2P and P/D read). Without a weight the approximate source does
         # not learn, as before the registry.
@@ -384,12 +387,21 @@ class Scheduler:
 
     def _pick(
         self, hop: Hop, ctx: ScoringContext, idx: np.ndarray
-    ) -> tuple[int, np.ndarray | None, list[tuple[str, float, np.ndarray]] | None]:
+    ) -> tuple[int, np.ndarray | None, Iterable[tuple[str, float, np.ndarray]] | None]:
         """Index into `idx` of the chosen candidate, with the totals and the weighted columns when the policy
         scores."""
         policy = self.policy
         if policy in _SCORING:
-            cols = self._cold_columns if ctx.cold else self.columns
+            cold = bool(ctx.cold)
+            names, weights, terms = self._passes[cold]
+            if terms is not None:  # every scorer describes its score as a term: one fused pass
+                totals, scores, ties = fused.pick(idx, [term(ctx) for term in terms], weights)
+                if not ties:
+                    raise ValueError("no candidates to pick from")
+                i = ties[0] if len(ties) == 1 else ties[self._rng.randrange(len(ties))]
+                assert scores is not None
+                return i, totals, fused.WeightedRows(names, weights, scores)
+            cols = self._cold_columns if cold else self.columns
             columns = [(name, weight, self._score(scorer, ctx, idx)) for name, weight, scorer in cols]
             totals = column_totals_array(len(idx), columns)
             return pick_max_array(totals, self._rng), totals, columns
@@ -528,6 +540,15 @@ class Scheduler:
                 scorer.forget_pod(pod)
         for holder in [h for h in self._capacity if h[0] == pod]:
             del self._capacity[holder]
+
+
+def _pass(
+    columns: Sequence[tuple[str, float, Scorer]],
+) -> tuple[tuple[str, ...], tuple[float, ...], tuple[Callable[[ScoringContext], fused.Term], ...] | None]:
+    terms = tuple(getattr(scorer, "term", None) for _, _, scorer in columns)
+    names = tuple(name for name, _, _ in columns)
+    weights = tuple(weight for _, weight, _ in columns)
+    return names, weights, None if None in terms else terms  # type: ignore[return-value]
 
 
 def _loads(cols: Columns, idx: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 
 from llmd.router.scheduling.approximate import ApproxPrefixCache
 from llmd.router.scheduling.columns import I64, HitColumns
+from llmd.router.scheduling.fused import K_CONST, K_PREFIX, Term, column
 from llmd.router.scheduling.plugins import (
     PrefixHit,
     PrefixHits,
@@ -83,13 +84,16 @@ class _PrefixScorer:
     def score(self, ctx: ScoringContext, cands: Sequence[Candidate]) -> list[float]:
         return prefix_scores(self.hits(ctx), cands, self.gpu_w, self.cpu_w)
 
-    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+    def term(self, ctx: ScoringContext) -> Term:
         """prefix_scores over the columns (a holder without a hit scores (0 * gpu_w + 0 * cpu_w) * scale = 0.0)."""
         hc = self.hit_columns(ctx)
         if not hc.units:
-            return np.zeros(len(idx))
+            return (K_CONST, 0.0)
         scale = 1.0 / (hc.units * _tier_norm(self.gpu_w, self.cpu_w))
-        return np.minimum(1.0, (hc.gpu[idx] * self.gpu_w + hc.cpu[idx] * self.cpu_w) * scale)
+        return (K_PREFIX, hc.gpu, hc.cpu, self.gpu_w, self.cpu_w, scale)
+
+    def score_columns(self, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
+        return column(self.term(ctx), idx)
 
 
 class PrecisePrefixScorer(_PrefixScorer):

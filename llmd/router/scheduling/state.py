@@ -213,7 +213,7 @@ class ScoreTable(Mapping["Endpoint", EndpointScore]):
 
     __slots__ = ("_columns", "_endpoints", "_idx", "_table", "_totals")
 
-    def __init__(self, endpoints: Sequence[Endpoint], idx: Any, totals: Any, columns: Sequence[tuple[str, float, Any]]):
+    def __init__(self, endpoints: Sequence[Endpoint], idx: Any, totals: Any, columns: Iterable[tuple[str, float, Any]]):
         """`endpoints[idx[k]]` is the k-th candidate; `totals` and each column's scores are aligned with `idx`
         (sequences or arrays of floats)."""
         self._endpoints = endpoints
