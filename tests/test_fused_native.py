@@ -1,7 +1,8 @@
-"""The scheduling pipeline's scoring pass in C (llmd/router/scheduling/_fused.c) against its Python (fused.py's
-py_pick and column): the same totals and raw scores bit for bit, the same ties, over columns as the router keeps them
-(zeros, negatives, NaN usage, strided views, holders never stamped) and every kind of term; NotImplemented for
-columns it does not read, and the scheduler's decisions the same either way."""
+"""The scheduling pipeline's passes in C (llmd/router/scheduling/_fused.c) against their Python (fused.py's py_pick
+and column, py_room, py_hits): the same totals and raw scores bit for bit, the same ties, the same filtered positions
+and hit columns, over columns as the router keeps them (zeros, negatives, NaN usage, strided views, holders never
+stamped or unknown to an index) and every kind of term; NotImplemented for columns it does not read, and the
+scheduler's decisions the same either way."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from llmd.router.scheduling.fused import (
     K_QUEUE,
     K_TOKENLOAD,
     Term,
+    py_hits,
     py_pick,
+    py_room,
 )
 
 try:
@@ -200,3 +203,67 @@ def test_scheduler_decides_the_same_either_way(monkeypatch: pytest.MonkeyPatch) 
         return out
 
     assert decisions(True) == decisions(False)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_room_matches_python(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    r = random.Random(seed)
+    m = int(rng.integers(1, 600))
+    inflight = _ints(rng, m, 70)
+    cap = _ints(rng, m, 2000)
+    kv = _ints(rng, m, 2000 * 16)
+    cached = _ints(rng, m, 300)
+    for _ in range(20):
+        idx = np.sort(rng.choice(m, size=r.randint(0, m), replace=False)).astype(np.intp)
+        args = (
+            idx, inflight, r.choice([None, 0, 1, 16, 64]), cap, kv, r.choice([None, cached]), r.randrange(0, 400),
+            r.choice([0, 16, 64]), r.randrange(-100, 40_000), r.choice([16, 64, 1, 0]),
+        )  # fmt: skip
+        got = fused.room(*args)
+        want = py_room(*args)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_hits_match_python(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    r = random.Random(seed)
+    m = int(rng.integers(1, 600))
+    k = int(rng.integers(0, m + 1))  # holders the index knows: ids 0..k-1, and a trailing 0 at -1
+    blocks_any = np.append(np.maximum(0, _ints(rng, k, 500)), 0)
+    blocks_gpu = np.append(np.minimum(blocks_any[:k], np.maximum(0, _ints(rng, k, 500))), 0)
+    ids = np.where(rng.random(m) < 0.7, rng.integers(0, max(k, 1), m), -1).astype(np.intp) if k else np.full(m, -1)
+    sk = int(rng.integers(0, m + 1))
+    spec = np.append(np.maximum(0, _ints(rng, sk, 600)), 0)
+    spec_ids = np.where(rng.random(m) < 0.5, rng.integers(0, max(sk, 1), m), -1).astype(np.intp) if sk else None
+    if spec_ids is None:
+        spec_ids = np.full(m, -1, np.intp)
+    for speculative in (False, True):
+        s, sid = (spec.copy(), spec_ids) if speculative else (None, None)
+        cap, bs = r.choice([0, 1, 500, 10**9]), r.choice([16, 64])
+        got = fused.hits(blocks_any, blocks_gpu, ids, s, sid, cap, bs)
+        want = py_hits(blocks_any, blocks_gpu, ids, None if s is None else spec.copy(), sid, cap, bs)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+        assert [a.dtype for a in got] == [a.dtype for a in want]
+
+
+def test_room_and_hits_refuse_or_pass_on() -> None:
+    idx = np.arange(3, dtype=np.intp)
+    z = np.zeros(3, np.int64)
+    out = np.empty(9, np.intp)
+    assert _fused.room(idx, z.astype(np.int32), 1, z, z, None, 0, 0, 5, 16, out) is NotImplemented
+    with pytest.raises(IndexError, match="inflight"):
+        _fused.room(np.array([0, 4], np.intp), z, 1, z, z, None, 0, 0, 5, 16, out)
+    with pytest.raises(TypeError, match="out"):
+        _fused.room(idx, z, 1, z, z, None, 0, 0, 5, 16, np.empty(2, np.intp))
+    got = np.empty((6, 3), np.int64)
+    has = np.empty(3, bool)
+    assert _fused.hits(z.astype(np.float64), z, idx, None, None, 0, 16, got, has) is NotImplemented
+    with pytest.raises(IndexError, match="holder id"):
+        _fused.hits(z, z, np.array([0, 1, 9], np.intp), None, None, 0, 16, got, has)
+    with pytest.raises(TypeError, match="has"):
+        _fused.hits(z, z, idx, None, None, 0, 16, got, np.empty(3, np.int64))
+    # Columns it does not read are filtered and gathered in numpy instead, the same answers.
+    slots, fit, doubt = fused.room(idx, z.astype(np.int32), 1, z, z, None, 0, 0, 5, 16)
+    assert slots.tolist() == [0, 1, 2] and fit.tolist() == [0, 1, 2] and not len(doubt)

@@ -171,6 +171,14 @@ def test_incremental_columns_are_the_snapshot_definition(seed: int) -> None:
             assert cols.kv_fits(np.arange(cols.n), need, 16).tolist() == [
                 kv_fits(want[ep.holder], need, 16) for ep in cols.endpoints
             ]
+            # The capacity filters' one pass (fused.room, and what the request shares worked out where it decides).
+            mx = rng.choice([None, 0, 1, 2, 64])
+            idx = np.array(sorted(rng.sample(range(cols.n), rng.randrange(0, cols.n + 1))), dtype=np.intp)
+            slots, fit = cols.room(idx, mx, need, 16)
+            states = [want[cols.endpoints[i].holder] for i in idx.tolist()]
+            want_slots = [i for i, st in zip(idx.tolist(), states, strict=True) if mx is None or st.inflight < mx]
+            assert slots.tolist() == want_slots
+            assert fit.tolist() == [i for i in want_slots if kv_fits(want[cols.endpoints[i].holder], need, 16)]
             job = Job(req, req.session_id or "")
             for j in core.submit(job, float(step)):
                 if j.flight is not None:

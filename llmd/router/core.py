@@ -377,8 +377,7 @@ class RouterCore:
         if not len(serving):
             raise NoEndpointError("no healthy decode endpoint")
         need, bs = req.kv_tokens, req.block_size
-        free = serving[cols.inflight[serving] < self.ledger.max_inflight]
-        if not len(free) or not cols.kv_fits(free, need, bs).any():
+        if not len(cols.room(serving, self.ledger.max_inflight, need, bs)[1]):
             return None  # every one full (slots or KV): wait without paying for a scoring pass
         snap = Snapshot.of_columns(cols, now)
         self.scheduler.advance(now)

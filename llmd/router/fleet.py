@@ -15,6 +15,7 @@ import numpy as np
 
 from llmd.router.ledger import Ledger, Load
 from llmd.router.pods import RankState
+from llmd.router.scheduling import fused
 from llmd.router.scheduling.columns import I64, Columns, HolderIds, kv_need, role_masks
 from llmd.router.scheduling.state import Endpoint, EndpointState, Holder
 
@@ -207,6 +208,22 @@ class RequestColumns(Columns):
             at = idx[doubt]
             ok[doubt] = self._inflight_kv(at) <= limit[at]
         return ok
+
+    def room(
+        self, idx: np.ndarray, max_inflight: int | None, need_tokens: int, block_size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Columns.room in one pass over `idx` (fused.room), working out what the request shares only where the KV
+        in flight without it does not fit and sharing could make it (the same answer as through `kv_fits`)."""
+        slots, fit, doubt = fused.room(
+            idx, self.inflight, max_inflight, self.kv_capacity_blocks, self.kv_tokens, self._cached,
+            len(self._hashes), self._unit, need_tokens, block_size,
+        )  # fmt: skip
+        if len(doubt):
+            need, cap = kv_need(need_tokens, block_size), self.kv_capacity_blocks
+            ok = [i for i in doubt.tolist() if self.inflight_kv(i) <= (int(cap[i]) - 1) * block_size - need]
+            if ok:
+                fit = np.sort(np.concatenate([fit, np.array(ok, dtype=fit.dtype)]))
+        return slots, fit
 
     def state(self, i: int) -> EndpointState:
         """Endpoint i's state; `running` and `cpu_capacity_blocks` as its engine reports them now (within a decision

@@ -343,10 +343,208 @@ fail:
     return NULL;
 }
 
+/* Reads args[k] as an int64 column at least `width` long: 1, 0 (not one: NotImplemented), -1 (error set). */
+static int col_arg(PyObject *o, Col *c, char want, Py_ssize_t width, const char *name) {
+    int got = col_get(o, c, want);
+    if (got <= 0) return got;
+    if (c->n < width) {
+        PyErr_Format(PyExc_IndexError, "%s: %zd values where %zd are read", name, c->n, width);
+        return -1;
+    }
+    return 1;
+}
+
+/* Writable C-contiguous int64 buffer of at least `len` items: 0, or -1 with an error set. */
+static int out_i64(PyObject *o, Py_buffer *b, Py_ssize_t len, const char *name) {
+    if (PyObject_GetBuffer(o, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = b->format ? b->format : "B";
+    if (b->itemsize != 8 || !(strcmp(f, "l") == 0 || strcmp(f, "q") == 0) || b->len < len * 8) {
+        PyBuffer_Release(b);
+        b->obj = NULL;
+        PyErr_Format(PyExc_TypeError, "%s: a writable int64 array of at least %zd values", name, len);
+        return -1;
+    }
+    return 0;
+}
+
+/* room(idx, inflight, max_inflight, cap, kv_tokens, cached, units, unit, need_tokens, block_size, out) -> (k, f, d)
+ * | NotImplemented: fused.py's py_room. */
+static PyObject *room(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "room() takes 11 arguments");
+        return NULL;
+    }
+    long long max_inflight = PyLong_AsLongLong(args[2]);
+    long long units = PyLong_AsLongLong(args[6]);
+    long long unit = PyLong_AsLongLong(args[7]);
+    long long need = PyLong_AsLongLong(args[8]);
+    long long bs = PyLong_AsLongLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    Col idx, inflight, cap, kv, cached;
+    idx.held = inflight.held = cap.held = kv.held = cached.held = 0;
+    Py_buffer out;
+    out.obj = NULL;
+    PyObject *res = NULL;
+    int got = col_get(args[0], &idx, 'i');
+    if (got <= 0) goto unread;
+    Py_ssize_t n = idx.n, width = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t i = I(&idx, j);
+        if (i < 0) {
+            PyErr_Format(PyExc_IndexError, "negative position %lld", (long long)i);
+            goto fail;
+        }
+        if (i + 1 > width) width = (Py_ssize_t)i + 1;
+    }
+    if ((got = col_arg(args[1], &inflight, 'i', width, "inflight")) <= 0) goto unread;
+    if ((got = col_arg(args[3], &cap, 'i', width, "kv_capacity_blocks")) <= 0) goto unread;
+    if ((got = col_arg(args[4], &kv, 'i', width, "kv_tokens")) <= 0) goto unread;
+    if (args[5] != Py_None && (got = col_arg(args[5], &cached, 'i', width, "cached")) <= 0) goto unread;
+    if (out_i64(args[10], &out, 3 * n, "out") < 0) goto fail;
+    int64_t *o = (int64_t *)out.buf;
+    /* columns.kv_need: blocks are allocated whole, -(-need // bs) * bs with Python's floor division */
+    int64_t need_r = need;
+    if (bs > 0) {
+        int64_t a = -need, q = a / bs;
+        if (a % bs != 0 && a < 0) q--;
+        need_r = -q * bs;
+    }
+    Py_ssize_t k = 0, f = 0, d = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t i = (Py_ssize_t)I(&idx, j);
+        int64_t inf = I(&inflight, i);
+        if (max_inflight >= 0 && !(inf < max_inflight)) continue;
+        o[k++] = i;
+        int64_t c = I(&cap, i), t = I(&kv, i);
+        int64_t limit = (c - 1) * bs - need_r;
+        if (c <= 0 || inf <= 0 || t <= limit) {
+            o[n + f++] = i;
+        } else if (unit) {
+            int64_t most = units;
+            if (cached.held) {
+                int64_t have = I(&cached, i);
+                if (have < most) most = have;
+            }
+            if (t - most * unit <= limit) o[2 * n + d++] = i;
+        }
+    }
+    res = Py_BuildValue("(nnn)", k, f, d);
+    goto done;
+unread:
+    if (got < 0) goto fail;
+    res = Py_NewRef(Py_NotImplemented);
+    goto done;
+fail:
+    res = NULL;
+done:
+    if (out.obj) PyBuffer_Release(&out);
+    col_release(&idx);
+    col_release(&inflight);
+    col_release(&cap);
+    col_release(&kv);
+    col_release(&cached);
+    return res;
+}
+
+/* hits(blocks_any, blocks_gpu, ids, spec, spec_ids, cap, block_size, out, has) -> True | NotImplemented: fused.py's
+ * py_hits. */
+static PyObject *hits(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "hits() takes 9 arguments");
+        return NULL;
+    }
+    long long cap = PyLong_AsLongLong(args[5]);
+    long long bs = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    Col any, gpu, ids, spec, sids;
+    any.held = gpu.held = ids.held = spec.held = sids.held = 0;
+    Py_buffer out, has;
+    out.obj = has.obj = NULL;
+    PyObject *res = NULL;
+    int got;
+    if ((got = col_get(args[0], &any, 'i')) <= 0) goto unread;
+    if ((got = col_get(args[1], &gpu, 'i')) <= 0) goto unread;
+    if ((got = col_get(args[2], &ids, 'i')) <= 0) goto unread;
+    int speculative = args[3] != Py_None;
+    if (speculative) {
+        if ((got = col_get(args[3], &spec, 'i')) <= 0) goto unread;
+        if ((got = col_arg(args[4], &sids, 'i', ids.n, "spec_ids")) <= 0) goto unread;
+    }
+    Py_ssize_t m = ids.n;
+    if (out_i64(args[7], &out, 6 * m, "out") < 0) goto fail;
+    if (PyObject_GetBuffer(args[8], &has, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail;
+    if (has.itemsize != 1 || strcmp(has.format ? has.format : "B", "?") != 0 || has.len < m) {
+        PyErr_SetString(PyExc_TypeError, "has: a writable bool array of the endpoints' length");
+        goto fail;
+    }
+    int64_t *o = (int64_t *)out.buf;
+    char *h = (char *)has.buf;
+    Py_ssize_t nany = any.n < gpu.n ? any.n : gpu.n;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t id = I(&ids, i);
+        if (id < 0) id += nany; /* -1: a holder the index does not know reads the trailing 0 */
+        if (id < 0 || id >= nany) {
+            PyErr_Format(PyExc_IndexError, "holder id %lld out of range", (long long)I(&ids, i));
+            goto fail;
+        }
+        int64_t held = I(&any, id), g = I(&gpu, id);
+        char on = held > 0;
+        if (speculative) {
+            int64_t sid = I(&sids, i);
+            if (sid < 0) sid += spec.n;
+            if (sid < 0 || sid >= spec.n) {
+                PyErr_Format(PyExc_IndexError, "speculative holder id %lld out of range", (long long)I(&sids, i));
+                goto fail;
+            }
+            /* A speculative prefix counts only where it beats the real GPU blocks: at least as long as the real
+             * prefix it replaces it, shorter it is the GPU share. */
+            int64_t s = I(&spec, sid);
+            if (s > g && s > 0) {
+                if (s >= held) held = s;
+                g = s;
+                on = 1;
+            }
+        }
+        int64_t gt = g * bs, ht = held * bs;
+        if (gt > cap) gt = cap;
+        if (ht > cap) ht = cap;
+        o[i] = held;
+        o[m + i] = g;
+        o[2 * m + i] = held - g;
+        o[3 * m + i] = gt;
+        o[4 * m + i] = ht - gt;
+        o[5 * m + i] = ht;
+        h[i] = on;
+    }
+    res = Py_NewRef(Py_True);
+    goto done;
+unread:
+    if (got < 0) goto fail;
+    res = Py_NewRef(Py_NotImplemented);
+    goto done;
+fail:
+    res = NULL;
+done:
+    if (out.obj) PyBuffer_Release(&out);
+    if (has.obj) PyBuffer_Release(&has);
+    col_release(&any);
+    col_release(&gpu);
+    col_release(&ids);
+    col_release(&spec);
+    col_release(&sids);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"pick", (PyCFunction)(void (*)(void))pick, METH_FASTCALL,
      "pick(idx, terms, weights, totals, scores) -> list of tied positions, or NotImplemented: fused.py's py_pick "
      "(totals and, unless None, a row of raw scores per term written in place)"},
+    {"room", (PyCFunction)(void (*)(void))room, METH_FASTCALL,
+     "room(idx, inflight, max_inflight, kv_capacity_blocks, kv_tokens, cached, units, unit, need_tokens, block_size, "
+     "out) -> (k, f, d), or NotImplemented: fused.py's py_room"},
+    {"hits", (PyCFunction)(void (*)(void))hits, METH_FASTCALL,
+     "hits(blocks_any, blocks_gpu, ids, spec, spec_ids, cap, block_size, out, has) -> True, or NotImplemented: "
+     "fused.py's py_hits"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -139,6 +139,14 @@ class Columns:
         limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
         return loose | (self._inflight_kv(idx) <= limit)
 
+    def room(
+        self, idx: np.ndarray, max_inflight: int | None, need_tokens: int, block_size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, fit): the positions of `idx` with a slot (in flight below `max_inflight`; all of them when None)
+        and those of them `kv_fits` keeps, in `idx`'s order."""
+        slots = idx if max_inflight is None else idx[self.inflight[idx] < max_inflight]
+        return slots, slots[self.kv_fits(slots, need_tokens, block_size)]
+
     def _inflight_kv(self, idx: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -177,15 +185,23 @@ class HitColumns:
     __slots__ = ("cpu", "cpu_tokens", "gpu", "gpu_tokens", "has", "tokens", "units")
 
     def __init__(
-        self, units: int, has: np.ndarray, gpu: np.ndarray, cpu: np.ndarray, gpu_t: np.ndarray, cpu_t: np.ndarray
+        self,
+        units: int,
+        has: np.ndarray,
+        gpu: np.ndarray,
+        cpu: np.ndarray,
+        gpu_t: np.ndarray,
+        cpu_t: np.ndarray,
+        tokens: np.ndarray | None = None,
     ) -> None:
+        """`tokens`: gpu_t + cpu_t, when the caller has it already."""
         self.units = units  # the request's length in the source's units (PrefixHits.units)
         self.has = has
         self.gpu = gpu
         self.cpu = cpu
         self.gpu_tokens = gpu_t
         self.cpu_tokens = cpu_t
-        self.tokens = gpu_t + cpu_t
+        self.tokens = gpu_t + cpu_t if tokens is None else tokens
 
     @classmethod
     def of(

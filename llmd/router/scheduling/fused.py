@@ -1,12 +1,16 @@
-"""The scoring pass: a hop's positions scored by every scorer in use, weighted, summed, and the highest totals found.
+"""The pipeline's passes over a hop's columns: the scoring pass (`pick`: every scorer in use scores the hop's
+positions, the columns are weighted and summed and the highest totals found), the capacity filters' pass (`room`) and
+the precise prefix source's hit columns (`hits`).
 
 A scorer describes its score over the snapshot's columns as a term (`TermScorer.term`): a kind and the columns and
-constants it reads. `column` evaluates one term with numpy (the scorers' `score_columns`: the list `score` stays each
-scorer's reference); `pick` runs the whole pass. That pass is written twice: in C (_fused.c, built by
-`pip install -e .`: over numpy it was some twenty array operations per hop, ~8% of a 544-GPU simulation's CPU, nearly
-all of it dispatch and allocation) and here (`py_pick`: the reference the C is tested against,
+constants it reads. `column` evaluates one term with numpy (the scorers' `score_columns`; the list `score` stays each
+scorer's reference).
+
+Each pass is written twice: in C (_fused.c, built by `pip install -e .`: over numpy a decision was some sixty array
+operations, each a few hundred elements of work behind a microsecond of dispatch and allocation, ~15% of a 544-GPU
+simulation's CPU) and here (py_pick, py_room, py_hits: the reference the C is tested against,
 tests/test_fused_native.py, and what runs where no compiler was at install time, or with LLMD_FUSED_PURE_PYTHON=1).
-Both compute every value by the same IEEE operations in the same order, so a decision is the same bit for bit.
+Both compute every value by the same operations in the same order, so a decision is the same bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from llmd.router.scheduling.columns import kv_need
 from llmd.router.scheduling.picker import TIE_EPS
 
 if TYPE_CHECKING:
@@ -112,6 +117,112 @@ def pick(
         if ties is not NotImplemented:
             return totals, scores, ties
     return totals, scores, py_pick(idx, terms, weights, totals, scores)
+
+
+def room(
+    idx: np.ndarray,
+    inflight: np.ndarray,
+    max_inflight: int | None,
+    kv_capacity_blocks: np.ndarray,
+    kv_tokens: np.ndarray,
+    cached: np.ndarray | None,
+    units: int,
+    unit: int,
+    need_tokens: int,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slots, fit, doubt), positions from `idx` in its order: those with a slot (in flight below `max_inflight`;
+    all of them when it is None), those of the slots the request's KV fits at without sharing anything
+    (filters.kv_fits over the KV in flight `kv_tokens`), and those it fits at only if it shares enough of its `units`
+    prompt units (of `unit` tokens, at most `cached` of them per endpoint where given) with the KV in flight there:
+    the caller works those out (RequestColumns.inflight_kv)."""
+    n = len(idx)
+    if _fused is not None:
+        out = np.empty(3 * n, np.intp)
+        most = -1 if max_inflight is None else max_inflight
+        got = _fused.room(idx, inflight, most, kv_capacity_blocks, kv_tokens, cached, units, unit, need_tokens,
+                          block_size, out)  # fmt: skip
+        if got is not NotImplemented:
+            k, f, d = got
+            return out[:k], out[n : n + f], out[2 * n : 2 * n + d]
+    return py_room(idx, inflight, max_inflight, kv_capacity_blocks, kv_tokens, cached, units, unit, need_tokens,
+                   block_size)  # fmt: skip
+
+
+def py_room(
+    idx: np.ndarray,
+    inflight: np.ndarray,
+    max_inflight: int | None,
+    kv_capacity_blocks: np.ndarray,
+    kv_tokens: np.ndarray,
+    cached: np.ndarray | None,
+    units: int,
+    unit: int,
+    need_tokens: int,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`room` with numpy."""
+    slots = idx if max_inflight is None else idx[inflight[idx] < max_inflight]
+    cap, kv = kv_capacity_blocks[slots], kv_tokens[slots]
+    limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
+    loose = (cap <= 0) | (inflight[slots] <= 0) | (kv <= limit)
+    if not unit:
+        return slots, slots[loose], slots[:0]
+    # Sharing takes off at most the request's units the engine has cached: where even that would not make it fit,
+    # it does not, without the search per endpoint.
+    most = units if cached is None else np.minimum(cached[slots], units)
+    return slots, slots[loose], slots[~loose & (kv - most * unit <= limit)]
+
+
+def hits(
+    blocks_any: np.ndarray,
+    blocks_gpu: np.ndarray,
+    ids: np.ndarray,
+    spec: np.ndarray | None,
+    spec_ids: np.ndarray | None,
+    cap: int,
+    block_size: int,
+) -> tuple[np.ndarray, ...]:
+    """A precise prefix source's hit columns from a KV index's answer by holder id (`blocks_any`, `blocks_gpu`,
+    gathered through the endpoints' `ids`) and the speculative entries' (`spec` through `spec_ids`, or None): (has,
+    held, gpu, cpu, gpu_tokens, cpu_tokens, tokens) per endpoint, tokens capped at `cap`. A speculative prefix
+    counts only where it beats the real GPU blocks: at least as long as the real prefix it replaces it, shorter it is
+    the GPU share (PrecisePrefixScorer._hits holder by holder)."""
+    if _fused is not None:
+        m = len(ids)
+        out = np.empty((6, m), np.int64)
+        has = np.empty(m, bool)
+        if _fused.hits(blocks_any, blocks_gpu, ids, spec, spec_ids, cap, block_size, out, has) is not NotImplemented:
+            return (has, *out)
+    return py_hits(blocks_any, blocks_gpu, ids, spec, spec_ids, cap, block_size)
+
+
+def py_hits(
+    blocks_any: np.ndarray,
+    blocks_gpu: np.ndarray,
+    ids: np.ndarray,
+    spec: np.ndarray | None,
+    spec_ids: np.ndarray | None,
+    cap: int,
+    block_size: int,
+) -> tuple[np.ndarray, ...]:
+    """`hits` with numpy."""
+    held = blocks_any[ids]  # fancy indexing: fresh arrays, ours to change
+    gpu = blocks_gpu[ids]
+    has = held > 0  # every holder of the first block holds at least it
+    if spec is not None:
+        assert spec_ids is not None
+        s = spec[spec_ids]
+        s[s <= gpu] = 0
+        on = s > 0
+        if on.any():
+            longer = on & (s >= held)
+            held[longer] = s[longer]
+            gpu[on] = s[on]
+            has |= on
+    gpu_t = np.minimum(cap, gpu * block_size)
+    tokens = np.minimum(cap, held * block_size)
+    return has, held, gpu, held - gpu, gpu_t, tokens - gpu_t, tokens
 
 
 class WeightedRows:

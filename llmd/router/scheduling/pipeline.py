@@ -302,12 +302,11 @@ class Scheduler:
         )
 
     def _with_room(self, cols: Columns, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
-        """filters.has_capacity then filters.kv_room, as masks: each keeps all when it would keep none."""
-        room = cols.inflight[idx] < self.config.max_inflight_per_pod
-        if room.any():
-            idx = idx[room]
-        fits = cols.kv_fits(idx, need_tokens, block_size)
-        return idx[fits] if fits.any() else idx
+        """filters.has_capacity then filters.kv_room: each keeps all when it would keep none."""
+        slots, fit = cols.room(idx, self.config.max_inflight_per_pod, need_tokens, block_size)
+        if not len(slots):
+            slots, fit = cols.room(idx, None, need_tokens, block_size)
+        return fit if len(fit) else slots
 
     def _patient(
         self,

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from llmd.router.scheduling import fused
 from llmd.router.scheduling.approximate import ApproxPrefixCache
 from llmd.router.scheduling.columns import I64, HitColumns
 from llmd.router.scheduling.fused import K_CONST, K_PREFIX, Term, column
@@ -21,6 +22,9 @@ from llmd.router.scheduling.plugins import (
 )
 from llmd.router.scheduling.speculative import SpeculativeIndex
 from llmd.router.scheduling.state import Candidate, Decision, Holder, RouteRequest
+
+_NONE = np.zeros(1, I64)  # an index's answer where there is no index: nothing held by anyone (id -1 reads it)
+_NONE.flags.writeable = False
 
 
 def _tier_norm(gpu_w: float, cpu_w: float) -> float:
@@ -160,27 +164,16 @@ class PrecisePrefixScorer(_PrefixScorer):
         cap = req.num_tokens if req.num_tokens > 0 else n * bs
         if ctx.index is not None:
             got = ctx.index.query_columns(hashes)
-            ids = cols.holder_ids(ctx.index)
-            held = got.blocks_any[ids]  # fancy indexing: fresh arrays, ours to change
-            gpu = got.blocks_gpu[ids]
+            blocks_any, blocks_gpu, ids = got.blocks_any, got.blocks_gpu, cols.holder_ids(ctx.index)
         else:
-            held = np.zeros(m, I64)
-            gpu = np.zeros(m, I64)
-        has = held > 0  # every holder of the first block holds at least it
+            blocks_any = blocks_gpu = _NONE
+            ids = np.full(m, -1, np.intp)
         spec = self.speculative
+        s = spec_ids = None
         if spec is not None:
-            s = spec.match_ids(hashes, ctx.now)[cols.holder_ids(spec)]
-            # As `_hits` does holder by holder: a speculative prefix counts only where it beats the real GPU blocks
-            # (`match`'s floor); at least as long as the real prefix it replaces it, shorter it is the GPU share.
-            s[s <= gpu] = 0
-            on = s > 0
-            if on.any():
-                longer = on & (s >= held)
-                held[longer] = s[longer]
-                gpu[on] = s[on]
-                has |= on
-        gpu_t = np.minimum(cap, gpu * bs)
-        return HitColumns(n, has, gpu, held - gpu, gpu_t, np.minimum(cap, held * bs) - gpu_t)
+            s, spec_ids = spec.match_ids(hashes, ctx.now), cols.holder_ids(spec)
+        has, _, gpu, cpu, gpu_t, cpu_t, tokens = fused.hits(blocks_any, blocks_gpu, ids, s, spec_ids, cap, bs)
+        return HitColumns(n, has, gpu, cpu, gpu_t, cpu_t, tokens)
 
     def observe_routed(
         self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
