@@ -1,8 +1,8 @@
 """The scheduling pipeline's passes in C (llmd/router/scheduling/_fused.c) against their Python (fused.py's py_pick
-and column, py_room, py_hits): the same totals and raw scores bit for bit, the same ties, the same filtered positions
-and hit columns, over columns as the router keeps them (zeros, negatives, NaN usage, strided views, holders never
-stamped or unknown to an index) and every kind of term; NotImplemented for columns it does not read, and the
-scheduler's decisions the same either way."""
+and column, py_room, py_hits, py_summary): the same totals and raw scores bit for bit, the same ties, the same
+filtered positions, hit columns and hop summaries, over columns as the router keeps them (zeros, negatives, NaN
+usage, strided views, holders never stamped or unknown to an index) and every kind of term; NotImplemented for
+columns it does not read, and the scheduler's decisions the same either way."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from llmd.router.scheduling.fused import (
     py_hits,
     py_pick,
     py_room,
+    py_summary,
 )
 
 try:
@@ -267,3 +268,30 @@ def test_room_and_hits_refuse_or_pass_on() -> None:
     # Columns it does not read are filtered and gathered in numpy instead, the same answers.
     slots, fit, doubt = fused.room(idx, z.astype(np.int32), 1, z, z, None, 0, 0, 5, 16)
     assert slots.tolist() == [0, 1, 2] and fit.tolist() == [0, 1, 2] and not len(doubt)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_summary_matches_python(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    r = random.Random(seed)
+    m = int(rng.integers(1, 600))
+    for _ in range(20):
+        gpu = np.maximum(0, _ints(rng, m, r.choice([1, 3, 500])))
+        cpu = np.maximum(0, _ints(rng, m, r.choice([1, 50])))
+        has = (gpu + cpu > 0) | (rng.random(m) < 0.05)
+        tokens = np.where(has, np.minimum(r.choice([10**9, 300]), (gpu + cpu) * 16), 0)
+        if r.random() < 0.3:  # every endpoint the same hit (the shared system prompt everywhere)
+            gpu[:], cpu[:], has[:], tokens[:] = 3, 0, True, 48
+        idx = np.sort(rng.choice(m, size=r.randint(1, m), replace=False)).astype(np.intp)
+        gw, cw = r.choice([(1.0, 0.8), (2.0, 0.5), (1.0, 1.0)])
+        assert fused.summary(has, gpu, cpu, tokens, idx, gw, cw) == py_summary(has, gpu, cpu, tokens, idx, gw, cw)
+
+
+def test_summary_of_no_positions_is_refused_as_numpy_does() -> None:
+    z = np.zeros(3, np.int64)
+    none = np.zeros(0, np.intp)
+    assert _fused.summary(z > 0, z, z, z, none, 1.0, 0.8) is NotImplemented
+    with pytest.raises(IndexError):
+        fused.summary(z > 0, z, z, z, none, 1.0, 0.8)
+    with pytest.raises(IndexError, match="gpu"):
+        _fused.summary(np.zeros(9, bool), z, z, z, np.array([5], np.intp), 1.0, 0.8)

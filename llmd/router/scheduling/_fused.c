@@ -535,6 +535,90 @@ done:
     return res;
 }
 
+/* summary(has, gpu, cpu, tokens, idx, gpu_w, cpu_w) -> (first, any, all, same_tokens, best_units, best_weighted,
+ * best_tokens) | NotImplemented (no positions, or columns not read here): fused.py's py_summary. */
+static PyObject *summary(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "summary() takes 7 arguments");
+        return NULL;
+    }
+    double gw = PyFloat_AsDouble(args[5]), cw = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    Col has, gpu, cpu, tok, idx;
+    has.held = gpu.held = cpu.held = tok.held = idx.held = 0;
+    PyObject *res = NULL;
+    int got;
+    if ((got = col_get(args[4], &idx, 'i')) <= 0) goto unread;
+    Py_ssize_t n = idx.n, width = 0;
+    if (!n) goto unread;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t i = I(&idx, j);
+        if (i < 0) {
+            PyErr_Format(PyExc_IndexError, "negative position %lld", (long long)i);
+            goto fail;
+        }
+        if (i + 1 > width) width = (Py_ssize_t)i + 1;
+    }
+    /* has: numpy bools, one byte each */
+    if (PyObject_GetBuffer(args[0], &has.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_BufferError)) goto fail;
+        PyErr_Clear();
+        goto unread;
+    }
+    has.held = 1;
+    if (has.view.ndim != 1 || has.view.itemsize != 1 || strcmp(has.view.format ? has.view.format : "B", "?") != 0)
+        goto unread;
+    has.p = (char *)has.view.buf;
+    has.stride = has.view.strides ? has.view.strides[0] : 1;
+    has.n = has.view.shape[0];
+    if (has.n < width) {
+        PyErr_Format(PyExc_IndexError, "has: %zd values where %zd are read", has.n, width);
+        goto fail;
+    }
+    if ((got = col_arg(args[1], &gpu, 'i', width, "gpu")) <= 0) goto unread;
+    if ((got = col_arg(args[2], &cpu, 'i', width, "cpu")) <= 0) goto unread;
+    if ((got = col_arg(args[3], &tok, 'i', width, "tokens")) <= 0) goto unread;
+    Py_ssize_t i0 = (Py_ssize_t)I(&idx, 0);
+    int first = has.p[i0 * has.stride] != 0, any = 0, all = 1, same = 1, units_seen = 0;
+    int64_t t0 = I(&tok, i0), best_units = 0, best_tokens = t0;
+    double best_w = 0.0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t i = (Py_ssize_t)I(&idx, j);
+        int h = has.p[i * has.stride] != 0;
+        int64_t g = I(&gpu, i), c = I(&cpu, i), t = I(&tok, i);
+        if (h) {
+            any = 1;
+            if (!units_seen || g + c > best_units) best_units = g + c;
+            units_seen = 1;
+        } else {
+            all = 0;
+        }
+        if (t != t0) same = 0;
+        if (t > best_tokens) best_tokens = t;
+        double w = (double)g * gw + (double)c * cw;
+        if (j == 0)
+            best_w = w;
+        else if (best_w == best_w && (w > best_w || w != w)) /* numpy's max: a NaN is the answer */
+            best_w = w;
+    }
+    res = Py_BuildValue("(OOOOLdL)", first ? Py_True : Py_False, any ? Py_True : Py_False, all ? Py_True : Py_False,
+                        same ? Py_True : Py_False, (long long)best_units, best_w, (long long)best_tokens);
+    goto done;
+unread:
+    if (got < 0) goto fail;
+    res = Py_NewRef(Py_NotImplemented);
+    goto done;
+fail:
+    res = NULL;
+done:
+    col_release(&has);
+    col_release(&gpu);
+    col_release(&cpu);
+    col_release(&tok);
+    col_release(&idx);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"pick", (PyCFunction)(void (*)(void))pick, METH_FASTCALL,
      "pick(idx, terms, weights, totals, scores) -> list of tied positions, or NotImplemented: fused.py's py_pick "
@@ -542,6 +626,9 @@ static PyMethodDef methods[] = {
     {"room", (PyCFunction)(void (*)(void))room, METH_FASTCALL,
      "room(idx, inflight, max_inflight, kv_capacity_blocks, kv_tokens, cached, units, unit, need_tokens, block_size, "
      "out) -> (k, f, d), or NotImplemented: fused.py's py_room"},
+    {"summary", (PyCFunction)(void (*)(void))summary, METH_FASTCALL,
+     "summary(has, gpu, cpu, tokens, idx, gpu_w, cpu_w) -> (first, any, all, same_tokens, best_units, best_weighted, "
+     "best_tokens), or NotImplemented: fused.py's py_summary"},
     {"hits", (PyCFunction)(void (*)(void))hits, METH_FASTCALL,
      "hits(blocks_any, blocks_gpu, ids, spec, spec_ids, cap, block_size, out, has) -> True, or NotImplemented: "
      "fused.py's py_hits"},

@@ -1,6 +1,6 @@
 """The pipeline's passes over a hop's columns: the scoring pass (`pick`: every scorer in use scores the hop's
 positions, the columns are weighted and summed and the highest totals found), the capacity filters' pass (`room`) and
-the precise prefix source's hit columns (`hits`).
+the precise prefix source's hit columns (`hits`) and what the pipeline's tests read of them over a hop (`summary`).
 
 A scorer describes its score over the snapshot's columns as a term (`TermScorer.term`): a kind and the columns and
 constants it reads. `column` evaluates one term with numpy (the scorers' `score_columns`; the list `score` stays each
@@ -8,7 +8,7 @@ scorer's reference).
 
 Each pass is written twice: in C (_fused.c, built by `pip install -e .`: over numpy a decision was some sixty array
 operations, each a few hundred elements of work behind a microsecond of dispatch and allocation, ~15% of a 544-GPU
-simulation's CPU) and here (py_pick, py_room, py_hits: the reference the C is tested against,
+simulation's CPU) and here (py_pick, py_room, py_hits, py_summary: the reference the C is tested against,
 tests/test_fused_native.py, and what runs where no compiler was at install time, or with LLMD_FUSED_PURE_PYTHON=1).
 Both compute every value by the same operations in the same order, so a decision is the same bit for bit.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -223,6 +223,58 @@ def py_hits(
     gpu_t = np.minimum(cap, gpu * block_size)
     tokens = np.minimum(cap, held * block_size)
     return has, held, gpu, held - gpu, gpu_t, tokens - gpu_t, tokens
+
+
+class HopHits(NamedTuple):
+    """A prefix source's hits over one hop's positions, as the pipeline's cold, reason and P2P tests read them."""
+
+    first: bool  # the hop's first endpoint has a hit
+    any: bool  # some endpoint has one
+    all: bool  # every endpoint has one
+    same_tokens: bool  # every endpoint's hit is as many tokens (none included)
+    best_units: int  # the most units (GPU + CPU) an endpoint with a hit holds; 0 when none has one
+    best_weighted: float  # the most tier-weighted units (gpu * gpu_w + cpu * cpu_w) an endpoint holds
+    best_tokens: int  # the most hit tokens an endpoint holds
+
+
+def summary(
+    has: np.ndarray,
+    gpu: np.ndarray,
+    cpu: np.ndarray,
+    tokens: np.ndarray,
+    idx: np.ndarray,
+    gpu_w: float,
+    cpu_w: float,
+) -> HopHits:
+    """HopHits over positions `idx` (not empty)."""
+    if _fused is not None:
+        got = _fused.summary(has, gpu, cpu, tokens, idx, gpu_w, cpu_w)
+        if got is not NotImplemented:
+            return HopHits(*got)
+    return py_summary(has, gpu, cpu, tokens, idx, gpu_w, cpu_w)
+
+
+def py_summary(
+    has: np.ndarray,
+    gpu: np.ndarray,
+    cpu: np.ndarray,
+    tokens: np.ndarray,
+    idx: np.ndarray,
+    gpu_w: float,
+    cpu_w: float,
+) -> HopHits:
+    """`summary` with numpy."""
+    h, g, c, t = has[idx], gpu[idx], cpu[idx], tokens[idx]
+    units = (g + c)[h]
+    return HopHits(
+        bool(h[0]),
+        bool(h.any()),
+        bool(h.all()),
+        bool((t == t[0]).all()),
+        int(units.max()) if len(units) else 0,
+        float((g * gpu_w + c * cpu_w).max()),
+        int(t.max()),
+    )
 
 
 class WeightedRows:

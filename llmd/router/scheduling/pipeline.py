@@ -16,7 +16,6 @@ filter at 0.80 with the token-load scorer alone (`weights: {token-load: 1}`).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -244,7 +243,8 @@ class Scheduler:
             raise NoEndpointError("no healthy decode endpoint")
         ctx = ScoringContext(req, now, index, columns=cols)
         ctx.hit_cols = hc = self._primary.hit_columns(ctx)  # without an index: speculative entries alone
-        ctx.cold = self._cold(req, hc, role_ok)
+        hop = self._hop(hc, role_ok)
+        ctx.cold = self._cold(req, hc, hop)
         cands = role_ok
         patience: dict[Holder, tuple[float, float]] = {}
         if self.tuning.capacity_filter:
@@ -262,11 +262,11 @@ class Scheduler:
 
         i, totals, columns = self._pick("decode", ctx, cands)
         t = int(cands[i])
-        reason = self._reason(hc, role_ok, t, ctx.cold)
+        reason = self._reason(hc, hop, len(role_ok), t, ctx.cold)
 
         p2p = None
         if cfg.p2p and self.policy == "precise" and not ctx.cold and len(role_ok) > 1 and totals is not None:
-            p2p = self._p2p(cols, hc, i, cands, totals, role_ok)
+            p2p = self._p2p(cols, hc, hop, i, cands, totals, role_ok)
             if p2p is not None:
                 i = p2p.target
                 t = int(cands[i])
@@ -352,8 +352,12 @@ class Scheduler:
             return room, patience
         return np.sort(np.concatenate([room, np.array(keep, dtype=room.dtype)])), patience
 
-    def _cold(self, req: RouteRequest, hc: HitColumns, hop: np.ndarray) -> bool:
-        """Nothing to stick to on this hop (`hop`: its endpoints' positions). Not only when no endpoint holds a
+    def _hop(self, hc: HitColumns, idx: np.ndarray) -> fused.HopHits:
+        """The hits over one hop's endpoints (positions `idx`), as _cold, _reason and _p2p read them."""
+        return fused.summary(hc.has, hc.gpu, hc.cpu, hc.tokens, idx, self.gpu_w, self.cpu_w)
+
+    def _cold(self, req: RouteRequest, hc: HitColumns, hop: fused.HopHits) -> bool:
+        """Nothing to stick to on this hop (`hop`: the hits over its endpoints). Not only when no endpoint holds a
         prefix, but also when every endpoint holds the same one (the system prompt all agents share): the prefix
         scorer cannot tell them apart, and choosing by load alone piles new sessions onto whichever pods happen to
         look idle, overflowing their caches later. The no-hit-LRU scorer spreads such requests instead. Likewise a
@@ -361,17 +365,10 @@ class Scheduler:
         following that hit would send every new agent to the same pod. A sub-agent forking its parent's context has
         a majority hit and still follows it. Compared in the prefix source's own units (blocks, or text chunks for
         the approximate scorer, which counts no tokens)."""
-        has = hc.has[hop]
-        if not has[0]:
-            if not has.any():
-                return True
-        elif has.all():
-            tokens = hc.tokens[hop]
-            if (tokens == tokens[0]).all():
-                return True
+        if (hop.first and hop.all and hop.same_tokens) or not hop.any:
+            return True
         if req.session_id is not None and req.session_id not in self._sessions:
-            best = int((hc.gpu[hop] + hc.cpu[hop])[has].max()) if has.any() else 0
-            return 2 * best < hc.units
+            return 2 * hop.best_units < hc.units
         return False
 
     def _score(self, scorer: Scorer, ctx: ScoringContext, idx: np.ndarray) -> np.ndarray:
@@ -420,23 +417,22 @@ class Scheduler:
         scale = 1.0 / (hc.units * max(1.0, self.gpu_w, self.cpu_w))
         return np.minimum(1.0, (hc.gpu[idx] * self.gpu_w + hc.cpu[idx] * self.cpu_w) * scale)
 
-    def _reason(self, hc: HitColumns, role_ok: np.ndarray, target: int, cold: bool) -> str:
-        if len(role_ok) == 1:
+    def _reason(self, hc: HitColumns, hop: fused.HopHits, n: int, target: int, cold: bool) -> str:
+        if n == 1:
             return "only-healthy"
         if self.policy not in _SCORING:
             return self.policy
         if cold:
             return "cold"
         # Tier-weighted hit units; 0 * w + 0 * w = 0.0 where there is no hit, as `_weighted` of None.
-        weighted = hc.gpu * self.gpu_w + hc.cpu * self.cpu_w
-        mine = float(weighted[target])
-        best = float(weighted[role_ok].max())
-        return "prefix-hit" if mine > 0 and mine >= best else "load"
+        mine = float(hc.gpu[target]) * self.gpu_w + float(hc.cpu[target]) * self.cpu_w
+        return "prefix-hit" if mine > 0 and mine >= hop.best_weighted else "load"
 
     def _p2p(
         self,
         cols: Columns,
         hc: HitColumns,
+        hop: fused.HopHits,
         i: int,
         cands: np.ndarray,
         totals: np.ndarray,
@@ -444,10 +440,10 @@ class Scheduler:
     ) -> P2PChoice | None:
         cfg = self.config
         min_tokens = max(1, cfg.pd_threshold)
-        role_tokens = hc.tokens[role_ok]
-        best = int(role_tokens.max())
+        best = hop.best_tokens
         if best < min_tokens:
             return None
+        role_tokens = hc.tokens[role_ok]
         # The longest holder among every healthy decode endpoint, full ones included (they are the point); on a tie
         # the picker's choice, then the least loaded.
         ties = role_ok[role_tokens == best]
@@ -484,7 +480,7 @@ class Scheduler:
         assert hc is not None
         # The prefill pool is placed by the same rule as the decode pool: a new session is spread (no-hit LRU and
         # load), not sent to whichever prefill pod holds the shared system prompt; a known session follows its prefix.
-        cold = self._cold(req, hc, pre_ok)
+        cold = self._cold(req, hc, self._hop(hc, pre_ok))
         pctx = ScoringContext(req, ctx.now, ctx.index, ctx.hits, cold, ctx.memo, cols, hc)
         j, _, _ = self._pick("prefill", pctx, pre)
         c = int(pre[j])
@@ -497,7 +493,8 @@ class Scheduler:
         else:
             out = decide_threshold(inp, cfg.pd_threshold)
         if out[0] is not None:
-            out = (dataclasses.replace(out[0], cold=cold), out[1])
+            p = out[0]
+            out = (PDDecision(p.prefill, p.reason, p.uncached_tokens, p.est_disagg_s, p.est_local_s, cold), out[1])
             self._capacity[chosen.endpoint.holder] = (
                 chosen.state.kv_capacity_blocks,
                 chosen.state.cpu_capacity_blocks,
