@@ -59,11 +59,12 @@ class Fleet:
         got = self._gauges
         if got is None or got[0] != written:
             ranks, n = self.ranks, len(self.ranks)
+            # Read-only: every decision's columns share them until the gauges move (nothing writes a column).
             got = self._gauges = (
                 written,
-                np.fromiter(map(_WAITING, ranks), I64, n),
-                np.fromiter(map(_KV_USAGE, ranks), np.float64, n),
-                np.fromiter(map(_KV_CAPACITY, ranks), I64, n),
+                _frozen(np.fromiter(map(_WAITING, ranks), I64, n)),
+                _frozen(np.fromiter(map(_KV_USAGE, ranks), np.float64, n)),
+                _frozen(np.fromiter(map(_KV_CAPACITY, ranks), I64, n)),
             )
         return got[1], got[2], got[3]
 
@@ -120,8 +121,9 @@ class RequestColumns(Columns):
         if sel is None:
             endpoints, ranks, loads = fleet.endpoints, fleet.ranks, fleet.loads
             roles, slot, healthy = fleet.roles, fleet.slot, fleet.healthy
+            # The ledger's columns are the fleet's to update in place: this moment's are a copy. The gauges are
+            # replaced, never updated, when they move: shared.
             inflight, inflight_tokens, kv = fleet.inflight.copy(), fleet.inflight_tokens.copy(), fleet.kv_tokens.copy()
-            waiting, kv_usage, kv_capacity = waiting.copy(), kv_usage.copy(), kv_capacity.copy()
         else:
             take = sel.tolist()
             endpoints = [fleet.endpoints[i] for i in take]

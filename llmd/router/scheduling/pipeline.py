@@ -330,11 +330,8 @@ class Scheduler:
         req/s +11%; at 1x unchanged.) Returns the candidates (positions, ascending as `role_ok`) and each waiting
         one's remaining patience and its patience per request waiting (Decision.wait_each_s)."""
         tokens = hc.tokens
-        best_room = int(tokens[room].max()) if len(room) else 0  # tokens are 0 where no hit: max(..., default=0)
-        in_room = np.zeros(cols.n, dtype=bool)
-        in_room[room] = True
-        out = role_ok[~in_room[role_ok]]
-        longer = out[tokens[out] > best_room]
+        best_room = self._hop(hc, room).best_tokens if len(room) else 0  # tokens are 0 where no hit
+        longer = role_ok[tokens[role_ok] > best_room]  # none of `room`: theirs are at most best_room
         if not len(longer):
             return room, {}
         scale = self.tuning.time_scale
@@ -443,13 +440,12 @@ class Scheduler:
         best = hop.best_tokens
         if best < min_tokens:
             return None
-        role_tokens = hc.tokens[role_ok]
         # The longest holder among every healthy decode endpoint, full ones included (they are the point); on a tie
         # the picker's choice, then the least loaded.
-        ties = role_ok[role_tokens == best]
-        target = int(cands[i])
-        # (argmin: the first least loaded, as min() takes)
-        holder = target if (ties == target).any() else int(ties[int(np.argmin(_loads(cols, ties)))])
+        holder = target = int(cands[i])
+        if int(hc.tokens[target]) != best:
+            ties = role_ok[hc.tokens[role_ok] == best]
+            holder = int(ties[int(np.argmin(_loads(cols, ties)))])  # (argmin: the first least loaded, as min() takes)
         return decide_p2p_columns(
             i,
             cols,
