@@ -184,6 +184,7 @@ class LatencyModel:
         self.mtp_draft_tokens, self.mtp_acceptance = mtp_draft_tokens, mtp_acceptance
         self.gpus_per_node, self.max_num_batched_tokens = gpus_per_node, max_num_batched_tokens
         self.draft_beta = _draft_conditional_acceptance(mtp_draft_tokens, mtp_acceptance)
+        self._lines: dict[int, DecodeLine] = {}  # decode_line's, by batch size
 
         m, tp, layers = model, par.tp, model.num_layers
         wb = m.weight_bytes_per_param
@@ -413,14 +414,22 @@ class LatencyModel:
         operations in the same order: bit for bit the same (tests/test_perf.py holds it).
 
         Why: decode fast-forward prices up to 64 steps of one batch at once; each exact step_time is ~2 us of Python
-        where the line is a few instructions a step."""
+        where the line is a few instructions a step. A batch size's line is made once (the model's constants are
+        fixed when it is built): a 544-GPU simulation asks for one per decode run, ~1% of its time."""
         if n < 1:
             return None
+        topk = self._topk
+        if topk and shortest < topk - (self._q + 1) * 0.5:
+            return None  # some context attends to fewer than top-k: not a function of the total
+        got = self._lines.get(n)
+        if got is None:
+            got = self._lines[n] = self._decode_line(n)
+        return got
+
+    def _decode_line(self, n: int) -> DecodeLine:
         q, topk, half = self._q, self._topk, (self._q + 1) * 0.5
         tokens = n * q  # _parts: tokens and sampled both n * q for a decode-only step
         if topk:
-            if shortest < topk - half:
-                return None  # some context attends to fewer than top-k: not a function of the total
             attended = float(n * topk)
             p1 = q * attended * self._a_dc  # attention over the selected top-k; the indexer's term grows with the total
             a_x = self._a_idx
