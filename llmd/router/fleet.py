@@ -221,10 +221,10 @@ class RequestColumns(Columns):
             len(self._hashes), self._unit, need_tokens, block_size,
         )  # fmt: skip
         if len(doubt):
-            need, cap = kv_need(need_tokens, block_size), self.kv_capacity_blocks
-            ok = [i for i in doubt.tolist() if self.inflight_kv(i) <= (int(cap[i]) - 1) * block_size - need]
-            if ok:
-                fit = np.sort(np.concatenate([fit, np.array(ok, dtype=fit.dtype)]))
+            need, cap, at = kv_need(need_tokens, block_size), self.kv_capacity_blocks, fit.tolist()
+            out = [j for j in doubt.tolist() if self.inflight_kv(at[j]) > (int(cap[at[j]]) - 1) * block_size - need]
+            if out:
+                fit = np.delete(fit, out)
         return slots, fit
 
     def state(self, i: int) -> EndpointState:

@@ -425,7 +425,10 @@ static PyObject *room(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 int64_t have = I(&cached, i);
                 if (have < most) most = have;
             }
-            if (t - most * unit <= limit) o[2 * n + d++] = i;
+            if (t - most * unit <= limit) { /* in doubt: among the fits, its offset there noted */
+                o[2 * n + d++] = f;
+                o[n + f++] = i;
+            }
         }
     }
     res = Py_BuildValue("(nnn)", k, f, d);

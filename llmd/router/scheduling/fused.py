@@ -131,11 +131,11 @@ def room(
     need_tokens: int,
     block_size: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(slots, fit, doubt), positions from `idx` in its order: those with a slot (in flight below `max_inflight`;
-    all of them when it is None), those of the slots the request's KV fits at without sharing anything
-    (filters.kv_fits over the KV in flight `kv_tokens`), and those it fits at only if it shares enough of its `units`
-    prompt units (of `unit` tokens, at most `cached` of them per endpoint where given) with the KV in flight there:
-    the caller works those out (RequestColumns.inflight_kv)."""
+    """(slots, fit, doubt): the positions from `idx` (in its order) with a slot (in flight below `max_inflight`; all
+    of them when it is None); those of the slots the request's KV may fit at (filters.kv_fits over the KV in flight
+    `kv_tokens`); and the offsets in `fit` of those it fits at only if it shares enough of its `units` prompt units
+    (of `unit` tokens, at most `cached` of them per endpoint where given) with the KV in flight there: the caller
+    works those out (RequestColumns.inflight_kv) and takes out the ones that do not."""
     n = len(idx)
     if _fused is not None:
         out = np.empty(3 * n, np.intp)
@@ -167,11 +167,13 @@ def py_room(
     limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
     loose = (cap <= 0) | (inflight[slots] <= 0) | (kv <= limit)
     if not unit:
-        return slots, slots[loose], slots[:0]
+        return slots, slots[loose], np.zeros(0, np.intp)
     # Sharing takes off at most the request's units the engine has cached: where even that would not make it fit,
     # it does not, without the search per endpoint.
     most = units if cached is None else np.minimum(cached[slots], units)
-    return slots, slots[loose], slots[~loose & (kv - most * unit <= limit)]
+    could = ~loose & (kv - most * unit <= limit)
+    maybe = loose | could
+    return slots, slots[maybe], np.flatnonzero(could[maybe])
 
 
 def hits(
