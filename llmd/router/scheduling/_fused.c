@@ -77,6 +77,21 @@ static inline Py_ssize_t lower_bound(const int64_t *used, Py_ssize_t m, int64_t 
     return lo;
 }
 
+/* One more than the largest of the positions idx holds (the columns they index must be at least that long), or -1
+ * with an IndexError set for a negative one. */
+static Py_ssize_t positions_width(const Col *idx) {
+    Py_ssize_t width = 0;
+    for (Py_ssize_t j = 0; j < idx->n; j++) {
+        int64_t i = I(idx, j);
+        if (i < 0) {
+            PyErr_Format(PyExc_IndexError, "negative position %lld", (long long)i);
+            return -1;
+        }
+        if (i + 1 > width) width = (Py_ssize_t)i + 1;
+    }
+    return width;
+}
+
 #define MAX_COLS 4
 
 /* One term's raw scores at the positions pos[:n] into out[:n]. Returns 1, 0 (a column not readable here: answer
@@ -280,17 +295,10 @@ static PyObject *pick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_NoMemory();
         goto fail;
     }
-    /* The positions, checked once against the narrowest column as each term reads them (width = 1 + the largest). */
-    Py_ssize_t width = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int64_t i = I(&idx, j);
-        if (i < 0) {
-            PyErr_Format(PyExc_IndexError, "negative position %lld", (long long)i);
-            goto fail;
-        }
-        pos[j] = (Py_ssize_t)i;
-        if (i + 1 > width) width = (Py_ssize_t)i + 1;
-    }
+    /* The positions, checked once against the narrowest column as each term reads them. */
+    Py_ssize_t width = positions_width(&idx);
+    if (width < 0) goto fail;
+    for (Py_ssize_t j = 0; j < n; j++) pos[j] = (Py_ssize_t)I(&idx, j);
     double *totals = (double *)tot.buf;
     for (Py_ssize_t j = 0; j < n; j++) totals[j] = 0.0;
     for (Py_ssize_t k = 0; k < nterms; k++) {
@@ -387,15 +395,8 @@ static PyObject *room(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *res = NULL;
     int got = col_get(args[0], &idx, 'i');
     if (got <= 0) goto unread;
-    Py_ssize_t n = idx.n, width = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int64_t i = I(&idx, j);
-        if (i < 0) {
-            PyErr_Format(PyExc_IndexError, "negative position %lld", (long long)i);
-            goto fail;
-        }
-        if (i + 1 > width) width = (Py_ssize_t)i + 1;
-    }
+    Py_ssize_t n = idx.n, width = positions_width(&idx);
+    if (width < 0) goto fail;
     if ((got = col_arg(args[1], &inflight, 'i', width, "inflight")) <= 0) goto unread;
     if ((got = col_arg(args[3], &cap, 'i', width, "kv_capacity_blocks")) <= 0) goto unread;
     if ((got = col_arg(args[4], &kv, 'i', width, "kv_tokens")) <= 0) goto unread;
@@ -552,16 +553,9 @@ static PyObject *summary(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *res = NULL;
     int got;
     if ((got = col_get(args[4], &idx, 'i')) <= 0) goto unread;
-    Py_ssize_t n = idx.n, width = 0;
+    Py_ssize_t n = idx.n, width = positions_width(&idx);
     if (!n) goto unread;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int64_t i = I(&idx, j);
-        if (i < 0) {
-            PyErr_Format(PyExc_IndexError, "negative position %lld", (long long)i);
-            goto fail;
-        }
-        if (i + 1 > width) width = (Py_ssize_t)i + 1;
-    }
+    if (width < 0) goto fail;
     /* has: numpy bools, one byte each */
     if (PyObject_GetBuffer(args[0], &has.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
         if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_BufferError)) goto fail;
