@@ -15,8 +15,8 @@ Prints `name: value  # target ... (ratio R)`, R >= 1 meaning the target is met.
   costs), for each of --fidelity-seeds workload seeds (6): errors of the simulation's mean over the seeds against the
   live runs' mean in hit share (engines' own counters), requests/min and TTFT p50/p90 (targets 5% and 10%; ttft_err
   is the worse of p50 and p90). Each seed's pair is printed too.
-`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live] [--datasheet]`: the 900 s run takes ~2-2.5
-minutes on this 2-core machine today (the datasheet one ~7), the live-vs-simulated runs ~6.5.
+`python benchmarks/cluster_sim.py [--agents N] [--duration S] [--skip-live] [--datasheet]`: the 900 s run takes ~2-3
+minutes on this 2-core machine today (the datasheet one ~7.5), the live-vs-simulated runs ~6.5.
 """
 
 from __future__ import annotations
