@@ -156,8 +156,6 @@ class RequestColumns(Columns):
         self._sel = sel
         self._exact: dict[int, int] = {}
         self._states: dict[int, EndpointState] = {}
-        self._fits: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (need, block size): fits unshared
-        self._could_fit: dict[tuple[int, int], np.ndarray] = {}  # where only sharing could make it fit
 
     def inflight_kv(self, i: int) -> int:
         """inflight_kv_tokens at position i: the KV in flight there less this request's units held there, as far
@@ -183,39 +181,12 @@ class RequestColumns(Columns):
         ids = self._fleet.holder_ids(index)
         return ids if self._sel is None else ids[self._sel]
 
-    def kv_fits(self, idx: np.ndarray, need_tokens: int, block_size: int) -> np.ndarray:
-        """Columns.kv_fits, working out what the request shares only where the KV in flight without it does not
-        fit (sharing only lowers it)."""
-        # A decision asks this twice with the same need (the core before scoring, then the kv-room filter): the
-        # test without sharing is worked out once, for every endpoint, and read at `idx`.
-        key = (need_tokens, block_size)
-        got = self._fits.get(key)
-        if got is None:
-            cap = self.kv_capacity_blocks
-            limit = (cap - 1) * block_size - kv_need(need_tokens, block_size)
-            loose = (cap <= 0) | (self.inflight <= 0) | (self.kv_tokens <= limit)
-            got = self._fits[key] = (loose, limit)
-        loose, limit = got
-        ok = loose[idx]  # fancy indexing: a fresh array, ours to change
-        if self._unit and not ok.all():
-            maybe = self._could_fit.get(key)
-            if maybe is None:
-                # Sharing takes off at most the request's units the engine has cached (inflight_kv): where even that
-                # would not make it fit, it does not, without the search per endpoint (a long prompt over a prefill
-                # pool too small for it: every rank of it, at 544 endpoints a quarter of a decision).
-                n = len(self._hashes)
-                most = n if self._cached is None else np.minimum(self._cached, n)
-                maybe = self._could_fit[key] = ~loose & (self.kv_tokens - most * self._unit <= limit)
-            doubt = np.flatnonzero(maybe[idx])
-            at = idx[doubt]
-            ok[doubt] = self._inflight_kv(at) <= limit[at]
-        return ok
-
     def room(
         self, idx: np.ndarray, max_inflight: int | None, need_tokens: int, block_size: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """Columns.room in one pass over `idx` (fused.room), working out what the request shares only where the KV
-        in flight without it does not fit and sharing could make it (the same answer as through `kv_fits`)."""
+        in flight without it does not fit and sharing could make it (the same answer as through `kv_fits`, which
+        works it out wherever the KV does not fit unshared)."""
         slots, fit, doubt = fused.room(
             idx, self.inflight, max_inflight, self.kv_capacity_blocks, self.kv_tokens, self._cached,
             len(self._hashes), self._unit, need_tokens, block_size,

@@ -47,8 +47,8 @@ class IndexReader(HolderIds, Protocol):
 class Columns:
     """Per-endpoint fields as arrays, position i being the snapshot's i-th candidate: the ones the pipeline reads for
     every endpoint of a hop (the rest, running and cpu_capacity_blocks, only in the `state` of the few a decision
-    names). `inflight_kv_tokens` is read only through `kv_fits` (the router core computes it per request, and only
-    where it can decide a fit)."""
+    names). `inflight_kv_tokens` is read only through `kv_fits` and `room` (the router core computes it per request,
+    and only where it can decide a fit)."""
 
     def __init__(
         self,
