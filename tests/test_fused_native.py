@@ -258,7 +258,7 @@ def test_room_and_hits_refuse_or_pass_on() -> None:
         _fused.room(np.array([0, 4], np.intp), z, 1, z, z, None, 0, 0, 5, 16, out)
     with pytest.raises(TypeError, match="out"):
         _fused.room(idx, z, 1, z, z, None, 0, 0, 5, 16, np.empty(2, np.intp))
-    got = np.empty((6, 3), np.int64)
+    got = np.empty((5, 3), np.int64)
     has = np.empty(3, bool)
     assert _fused.hits(z.astype(np.float64), z, idx, None, None, 0, 16, got, has) is NotImplemented
     with pytest.raises(IndexError, match="holder id"):

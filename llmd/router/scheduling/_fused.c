@@ -475,7 +475,7 @@ static PyObject *hits(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if ((got = col_arg(args[4], &sids, 'i', ids.n, "spec_ids")) <= 0) goto unread;
     }
     Py_ssize_t m = ids.n;
-    if (out_i64(args[7], &out, 6 * m, "out") < 0) goto fail;
+    if (out_i64(args[7], &out, 5 * m, "out") < 0) goto fail;
     if (PyObject_GetBuffer(args[8], &has, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail;
     if (has.itemsize != 1 || strcmp(has.format ? has.format : "B", "?") != 0 || has.len < m) {
         PyErr_SetString(PyExc_TypeError, "has: a writable bool array of the endpoints' length");
@@ -512,12 +512,11 @@ static PyObject *hits(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         int64_t gt = g * bs, ht = held * bs;
         if (gt > cap) gt = cap;
         if (ht > cap) ht = cap;
-        o[i] = held;
-        o[m + i] = g;
-        o[2 * m + i] = held - g;
-        o[3 * m + i] = gt;
-        o[4 * m + i] = ht - gt;
-        o[5 * m + i] = ht;
+        o[i] = g;
+        o[m + i] = held - g;
+        o[2 * m + i] = gt;
+        o[3 * m + i] = ht - gt;
+        o[4 * m + i] = ht;
         h[i] = on;
     }
     res = Py_NewRef(Py_True);

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from llmd.router.scheduling.columns import kv_need
-from llmd.router.scheduling.picker import TIE_EPS
+from llmd.router.scheduling.picker import column_totals_array, tied
 
 if TYPE_CHECKING:
     from llmd.router.scheduling.plugins import ScoringContext
@@ -89,20 +89,15 @@ def column(term: Term, idx: np.ndarray) -> np.ndarray:
 def py_pick(
     idx: np.ndarray, terms: Sequence[Term], weights: Sequence[float], totals: np.ndarray, scores: np.ndarray | None
 ) -> list[int]:
-    """Writes each candidate's total (the sum from 0 of weight x score, in term order) into `totals` and, unless
-    None, each term's raw scores into a row of `scores`; returns the positions in `idx` of the totals within
-    picker.TIE_EPS of the best."""
-    totals[:] = 0.0
-    acc = totals
-    for k, (term, weight) in enumerate(zip(terms, weights, strict=True)):
-        col = column(term, idx)
-        if scores is not None:
+    """Writes each candidate's total (picker.column_totals_array of the terms' columns) into `totals` and, unless
+    None, each term's raw scores into a row of `scores`; returns the positions in `idx` of the tied best totals
+    (picker.tied)."""
+    columns = [("", weight, column(term, idx)) for term, weight in zip(terms, weights, strict=True)]
+    if scores is not None:
+        for k, (_, _, col) in enumerate(columns):
             scores[k] = col
-        acc = acc + weight * col
-    totals[:] = acc
-    if not len(idx):
-        return []
-    return np.flatnonzero(totals >= totals.max() - TIE_EPS).tolist()  # type: ignore[no-any-return]
+    totals[:] = column_totals_array(len(idx), columns)
+    return tied(totals)
 
 
 def pick(
@@ -187,12 +182,12 @@ def hits(
 ) -> tuple[np.ndarray, ...]:
     """A precise prefix source's hit columns from a KV index's answer by holder id (`blocks_any`, `blocks_gpu`,
     gathered through the endpoints' `ids`) and the speculative entries' (`spec` through `spec_ids`, or None): (has,
-    held, gpu, cpu, gpu_tokens, cpu_tokens, tokens) per endpoint, tokens capped at `cap`. A speculative prefix
-    counts only where it beats the real GPU blocks: at least as long as the real prefix it replaces it, shorter it is
-    the GPU share (PrecisePrefixScorer._hits holder by holder)."""
+    gpu, cpu, gpu_tokens, cpu_tokens, tokens) per endpoint (HitColumns' arrays), tokens capped at `cap`. A
+    speculative prefix counts only where it beats the real GPU blocks: at least as long as the real prefix it
+    replaces it, shorter it is the GPU share (PrecisePrefixScorer._hits holder by holder)."""
     if _fused is not None:
         m = len(ids)
-        out = np.empty((6, m), np.int64)
+        out = np.empty((5, m), np.int64)
         has = np.empty(m, bool)
         if _fused.hits(blocks_any, blocks_gpu, ids, spec, spec_ids, cap, block_size, out, has) is not NotImplemented:
             return (has, *out)
@@ -224,7 +219,7 @@ def py_hits(
             has |= on
     gpu_t = np.minimum(cap, gpu * block_size)
     tokens = np.minimum(cap, held * block_size)
-    return has, held, gpu, held - gpu, gpu_t, tokens - gpu_t, tokens
+    return has, gpu, held - gpu, gpu_t, tokens - gpu_t, tokens
 
 
 class HopHits(NamedTuple):

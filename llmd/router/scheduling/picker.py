@@ -42,22 +42,32 @@ def column_totals_array(n: int, columns: Sequence[tuple[str, float, np.ndarray]]
     return totals
 
 
+def tied(totals: np.ndarray) -> list[int]:
+    """Positions of an array's totals within TIE_EPS of the highest (none of no totals)."""
+    if not len(totals):
+        return []
+    return np.flatnonzero(totals >= totals.max() - TIE_EPS).tolist()  # type: ignore[no-any-return]
+
+
+def choose(ties: Sequence[int], rng: random.Random) -> int:
+    """The one tied position, or a seeded-random one of several (the RNG is drawn only when there is a tie, so
+    untied decisions don't shift later draws)."""
+    if not ties:
+        raise ValueError("no candidates to pick from")
+    return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+
+
 def pick_max_array(totals: np.ndarray, rng: random.Random) -> int:
     """`pick_max` of an array of totals (the same choice and the same RNG draws)."""
-    if not len(totals):
-        raise ValueError("no candidates to pick from")
-    ties = np.flatnonzero(totals >= totals.max() - TIE_EPS)
-    return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])
+    return choose(tied(totals), rng)
 
 
 def pick_max(totals: Sequence[float], rng: random.Random) -> int:
-    """Index of the highest total; among ties, a seeded-random one (the RNG is drawn only when there is a tie, so
-    untied decisions don't shift later draws)."""
+    """Index of the highest total; among ties, a seeded-random one (`choose`)."""
     if not totals:
         raise ValueError("no candidates to pick from")
     best = max(totals)
-    ties = [i for i, t in enumerate(totals) if t >= best - TIE_EPS]
-    return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+    return choose([i for i, t in enumerate(totals) if t >= best - TIE_EPS], rng)
 
 
 def pick_min(values: Sequence[float], rng: random.Random) -> int:

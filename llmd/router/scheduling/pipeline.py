@@ -36,7 +36,7 @@ from llmd.router.scheduling.pd import (
     decide_queue_aware,
     decide_threshold,
 )
-from llmd.router.scheduling.picker import column_totals_array, pick_max_array, pick_min
+from llmd.router.scheduling.picker import choose, column_totals_array, pick_max_array, pick_min
 from llmd.router.scheduling.plugins import (
     FILTERS,
     SCORERS,
@@ -254,7 +254,7 @@ class Scheduler:
         if self.affinity > 0 and self.policy in _SCORING and len(cands) > 1:
             scale = self.tuning.time_scale
             ttft = [self.decode_model.prefill_time(t) * scale for t in cols.inflight_tokens[cands].tolist()]
-            prefix_scores = self._prefix_scores(hc, cands).tolist()
+            prefix_scores = fused.column(self._primary.term(ctx), cands).tolist()
             keep = filters.prefix_affinity(
                 range(len(cands)), prefix_scores, self.affinity, ttft, self.max_ttft_penalty_s
             )
@@ -389,11 +389,8 @@ class Scheduler:
             names, weights, terms = self._passes[cold]
             if terms is not None:  # every scorer describes its score as a term: one fused pass
                 totals, scores, ties = fused.pick(idx, [term(ctx) for term in terms], weights)
-                if not ties:
-                    raise ValueError("no candidates to pick from")
-                i = ties[0] if len(ties) == 1 else ties[self._rng.randrange(len(ties))]
                 assert scores is not None
-                return i, totals, fused.WeightedRows(names, weights, scores)
+                return choose(ties, self._rng), totals, fused.WeightedRows(names, weights, scores)
             cols = self._cold_columns if cold else self.columns
             columns = [(name, weight, self._score(scorer, ctx, idx)) for name, weight, scorer in cols]
             totals = column_totals_array(len(idx), columns)
@@ -406,13 +403,6 @@ class Scheduler:
             assert ctx.columns is not None
             return pick_min(_loads(ctx.columns, idx).tolist(), self._rng), None, None
         return self._rng.randrange(len(idx)), None, None
-
-    def _prefix_scores(self, hc: HitColumns, idx: np.ndarray) -> np.ndarray:
-        """prefix.prefix_scores over the columns."""
-        if not hc.units:
-            return np.zeros(len(idx))
-        scale = 1.0 / (hc.units * max(1.0, self.gpu_w, self.cpu_w))
-        return np.minimum(1.0, (hc.gpu[idx] * self.gpu_w + hc.cpu[idx] * self.cpu_w) * scale)
 
     def _reason(self, hc: HitColumns, hop: fused.HopHits, n: int, target: int, cold: bool) -> str:
         if n == 1:

@@ -172,8 +172,7 @@ class PrecisePrefixScorer(_PrefixScorer):
         s = spec_ids = None
         if spec is not None:
             s, spec_ids = spec.match_ids(hashes, ctx.now), cols.holder_ids(spec)
-        has, _, gpu, cpu, gpu_t, cpu_t, tokens = fused.hits(blocks_any, blocks_gpu, ids, s, spec_ids, cap, bs)
-        return HitColumns(n, has, gpu, cpu, gpu_t, cpu_t, tokens)
+        return HitColumns(n, *fused.hits(blocks_any, blocks_gpu, ids, s, spec_ids, cap, bs))
 
     def observe_routed(
         self, req: RouteRequest, decision: Decision, now: float, capacity: Mapping[Holder, tuple[int, int]]
