@@ -6,8 +6,12 @@
  *
  * State: ref counts, the free queue as vLLM's FreeKVCacheBlockQueue (a doubly linked list through `prev`/`next`,
  * sentinel at index n: next[n] is the front, evicted first), each block's hash (a bytes object or NULL), and the hash
- * -> block map as a Python dict (`cached`: block id, or {block id: None} when several blocks hold one hash, the
- * first serving hits), shared with Python readers (P2P lookups, invariants).
+ * -> block map: an open-addressing table of slots (the hash, 32 bits of its Python hash, the first block holding it,
+ * which serves hits; linear probing, backward-shift deletion), and the other blocks holding one hash (rare) in insertion
+ * order through `dup`. Python readers (P2P lookups, invariants) ask `in` or read `cached`, a dict made on request.
+ *
+ * Why not a dict: a lookup in one reads its index, then its entry, then the block id's int object (three cache
+ * misses a block, on 544 ranks' maps that no cache holds); a slot holds all the probe compares and answers, in one.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,8 +26,68 @@ typedef struct {
     int32_t *next;
     PyObject **hash;    /* owned references, NULL for an unhashed block */
     Py_ssize_t n_free;
-    PyObject *cached;   /* dict */
+    struct Slot *table; /* the hash -> block map: 1.5n slots (at most n - 1 hashes), so never full */
+    size_t size;
+    int32_t *dup;       /* n entries: the next block holding the same hash as this one, 0 for none */
+    PyObject **ids;     /* each block id's int, made when first handed out: requests' block lists share them */
 } Pool;
+
+/* A map slot, 16 bytes: empty while head is 0 (block 0 is the null block, never hashed). `key` is borrowed from
+ * hash[head]; `hv` is 32 bits of its Python hash (slot_hash), which pick its home slot and are compared before the key. */
+typedef struct Slot {
+    PyObject *key;
+    uint32_t hv;
+    int32_t head;
+} Slot;
+
+/* The home slot of hash hv in a table of `size` slots: the hash scaled to the size (no power-of-two size, so no
+ * table twice as large as it needs to be). */
+static inline size_t home_of(uint32_t hv, size_t size) { return (size_t)(((uint64_t)hv * (uint64_t)size) >> 32); }
+
+/* A Python hash's 32 bits for the map, mixed (Fibonacci hashing): an int's hash is the int itself, and small ints
+ * would all start at slot 0. */
+static inline uint32_t slot_hash(Py_hash_t hv) { return (uint32_t)(((uint64_t)hv * 0x9E3779B97F4A7C15ull) >> 32); }
+
+/* Block b's id as a Python int (a new reference), NULL on error. Kept, not made anew each time: an id goes into a
+ * request's block list at every hit and allocation, and a shared one costs no allocation and no memory. */
+static inline PyObject *block_id(Pool *s, int32_t b) {
+    PyObject *o = s->ids[b];
+    if (o == NULL) {
+        o = PyLong_FromLong(b);
+        if (o == NULL) return NULL;
+        s->ids[b] = o;
+    }
+    Py_INCREF(o);
+    return o;
+}
+
+/* ---- prefetching ------------------------------------------------------------------------------------------------ */
+
+/* A pass over a request's blocks reads, for each, its hash object, then the map slot its hash picks: two dependent
+ * cache misses a block (no rank's map stays in cache between its turns), paid one after the other. Asking for the
+ * objects PF_AHEAD * 2 blocks ahead and for the slots PF_AHEAD ahead (the hash read from an object already on its
+ * way) overlaps them. Only bytes objects are hashed early: nothing runs that the pass itself would not run. */
+#define PF_AHEAD 8
+
+static inline void prefetch_slot_of(const Pool *s, PyObject *h) {
+    if (PyBytes_CheckExact(h)) {
+        Py_hash_t hv = PyObject_Hash(h); /* a bytes object's hash: computed once, then read back */
+        if (hv != -1) __builtin_prefetch(&s->table[home_of(slot_hash(hv), s->size)]);
+        else PyErr_Clear(); /* (cannot fail for bytes; the lookup proper reports any error) */
+    }
+}
+
+/* Before the pass over items[0:m]: the first objects and slots on their way. */
+static inline void prefetch_start(const Pool *s, PyObject **items, Py_ssize_t m) {
+    for (Py_ssize_t j = 0; j < m && j < 2 * PF_AHEAD; j++) __builtin_prefetch(items[j]);
+    for (Py_ssize_t j = 0; j < m && j < PF_AHEAD; j++) prefetch_slot_of(s, items[j]);
+}
+
+/* At block i of the pass: the object 2 * PF_AHEAD ahead and the slot PF_AHEAD ahead on their way. */
+static inline void prefetch_step(const Pool *s, PyObject **items, Py_ssize_t i, Py_ssize_t m) {
+    if (i + 2 * PF_AHEAD < m) __builtin_prefetch(items[i + 2 * PF_AHEAD]);
+    if (i + PF_AHEAD < m) prefetch_slot_of(s, items[i + PF_AHEAD]);
+}
 
 /* ---- 64-bit hash form ------------------------------------------------------------------------------------------ */
 
@@ -73,56 +137,121 @@ static int block_arg(Pool *s, PyObject *o, int32_t *out) {
 
 /* ---- the hash map ----------------------------------------------------------------------------------------------- */
 
-/* Drops block b (holding hash h) from the map. */
+/* 1 if a (a map key) equals h, 0 if not, -1 with an error set: identity first (the engine's requests share their
+ * contexts' hash objects), bytes by content, anything else as Python's == (a dict's semantics). */
+static inline int key_eq(PyObject *a, PyObject *h) {
+    if (a == h) return 1;
+    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(h))
+        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(h) &&
+               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(h), (size_t)PyBytes_GET_SIZE(h)) == 0;
+    return PyObject_RichCompareBool(a, h, Py_EQ);
+}
+
+/* The slot index holding h (whose hash is hv), or where it would go (an empty slot) with *found 0; -1 on error. */
+static Py_ssize_t map_find(Pool *s, PyObject *h, uint32_t hv, int *found) {
+    size_t i = home_of(hv, s->size);
+    for (;;) {
+        Slot *e = &s->table[i];
+        if (e->head == 0) {
+            *found = 0;
+            return (Py_ssize_t)i;
+        }
+        if (e->hv == hv) {
+            int eq = key_eq(e->key, h);
+            if (eq < 0) return -1;
+            if (eq) {
+                *found = 1;
+                return (Py_ssize_t)i;
+            }
+        }
+        if (++i == s->size) i = 0;
+    }
+}
+
+/* Empties slot i (backward-shift deletion keeps every other entry reachable from its home). */
+static void map_delete_slot(Pool *s, size_t i) {
+    size_t j = i;
+    for (;;) {
+        if (++j == s->size) j = 0;
+        Slot *e = &s->table[j];
+        if (e->head == 0) break;
+        size_t k = home_of(e->hv, s->size);
+        /* the entry at j may move to i unless its home lies cyclically in (i, j] */
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            s->table[i] = *e;
+            i = j;
+        }
+    }
+    s->table[i].head = 0;
+    s->table[i].key = NULL;
+}
+
+/* Drops block b (holding hash h) from the map; nothing if it is not there. */
 static int map_remove(Pool *s, int32_t b, PyObject *h) {
-    PyObject *v = PyDict_GetItemWithError(s->cached, h); /* borrowed */
-    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (PyLong_CheckExact(v)) {
-        if (PyLong_AsLong(v) == b) return PyDict_DelItem(s->cached, h);
+    Py_hash_t hv = PyObject_Hash(h);
+    if (hv == -1) return -1;
+    int found;
+    Py_ssize_t i = map_find(s, h, slot_hash(hv), &found);
+    if (i < 0) return -1;
+    if (!found) return 0;
+    Slot *e = &s->table[i];
+    if (e->head == b) {
+        int32_t nh = s->dup[b];
+        s->dup[b] = 0;
+        if (nh == 0) {
+            map_delete_slot(s, (size_t)i);
+        } else { /* the next block holding it serves hits now */
+            e->head = nh;
+            e->key = s->hash[nh];
+        }
         return 0;
     }
-    PyObject *key = PyLong_FromLong(b);
-    if (key == NULL) return -1;
-    int rc = PyDict_Contains(v, key);
-    if (rc == 1) rc = PyDict_DelItem(v, key);
-    Py_DECREF(key);
-    if (rc < 0) return -1;
-    if (PyDict_GET_SIZE(v) == 1) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *val;
-        PyDict_Next(v, &pos, &k, &val);
-        Py_INCREF(k);
-        rc = PyDict_SetItem(s->cached, h, k); /* may free v */
-        Py_DECREF(k);
-        return rc;
+    for (int32_t p = e->head; s->dup[p] != 0; p = s->dup[p]) {
+        if (s->dup[p] == b) {
+            s->dup[p] = s->dup[b];
+            s->dup[b] = 0;
+            break;
+        }
     }
     return 0;
 }
 
-/* Adds block b under hash h. */
+/* Adds block b under hash h (the caller makes hash[b] = h): the first block holding h serves hits, later ones queue
+ * behind it in order. */
 static int map_add(Pool *s, int32_t b, PyObject *h) {
-    PyObject *v = PyDict_GetItemWithError(s->cached, h);
-    PyObject *key = PyLong_FromLong(b);
-    if (key == NULL) return -1;
-    int rc;
-    if (v == NULL) {
-        rc = PyErr_Occurred() ? -1 : PyDict_SetItem(s->cached, h, key);
-    } else if (PyLong_CheckExact(v)) {
-        if (PyLong_AsLong(v) == b) {
-            rc = 0;
-        } else {
-            PyObject *d = PyDict_New();
-            rc = d == NULL ? -1 : 0;
-            if (rc == 0) rc = PyDict_SetItem(d, v, Py_None);
-            if (rc == 0) rc = PyDict_SetItem(d, key, Py_None);
-            if (rc == 0) rc = PyDict_SetItem(s->cached, h, d);
-            Py_XDECREF(d);
-        }
-    } else {
-        rc = PyDict_SetItem(v, key, Py_None);
+    Py_hash_t hv = PyObject_Hash(h);
+    if (hv == -1) return -1;
+    int found;
+    Py_ssize_t i = map_find(s, h, slot_hash(hv), &found);
+    if (i < 0) return -1;
+    Slot *e = &s->table[i];
+    if (!found) {
+        e->hv = slot_hash(hv);
+        e->key = h;
+        e->head = b;
+        s->dup[b] = 0;
+        return 0;
     }
-    Py_DECREF(key);
-    return rc;
+    int32_t p = e->head;
+    if (p == b) return 0;
+    while (s->dup[p] != 0) {
+        p = s->dup[p];
+        if (p == b) return 0;
+    }
+    s->dup[p] = b;
+    s->dup[b] = 0;
+    return 0;
+}
+
+/* The block serving hits on h, 0 if none; -1 on error. */
+static inline int32_t map_get(Pool *s, PyObject *h) {
+    Py_hash_t hv = PyObject_Hash(h);
+    if (hv == -1) return -1;
+    int found;
+    Py_ssize_t i = map_find(s, h, slot_hash(hv), &found);
+    if (i < 0) return -1;
+    return found ? s->table[i].head : 0;
 }
 
 /* ---- the type --------------------------------------------------------------------------------------------------- */
@@ -131,11 +260,16 @@ static void Pool_dealloc(Pool *s) {
     if (s->hash != NULL) {
         for (Py_ssize_t i = 0; i < s->n; i++) Py_XDECREF(s->hash[i]);
     }
+    if (s->ids != NULL) {
+        for (Py_ssize_t i = 0; i < s->n; i++) Py_XDECREF(s->ids[i]);
+    }
+    PyMem_Free(s->ids);
     PyMem_Free(s->hash);
     PyMem_Free(s->ref);
     PyMem_Free(s->prev);
     PyMem_Free(s->next);
-    Py_XDECREF(s->cached);
+    PyMem_Free(s->table);
+    PyMem_Free(s->dup);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -156,8 +290,11 @@ static int Pool_init(Pool *s, PyObject *args, PyObject *kwds) {
     s->prev = PyMem_Calloc((size_t)n + 1, sizeof(int32_t));
     s->next = PyMem_Calloc((size_t)n + 1, sizeof(int32_t));
     s->hash = PyMem_Calloc((size_t)n, sizeof(PyObject *));
-    s->cached = PyDict_New();
-    if (!s->ref || !s->prev || !s->next || !s->hash || !s->cached) {
+    s->size = (size_t)n + (size_t)n / 2 + 1;
+    s->table = PyMem_Calloc(s->size, sizeof(Slot));
+    s->dup = PyMem_Calloc((size_t)n, sizeof(int32_t));
+    s->ids = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+    if (!s->ref || !s->prev || !s->next || !s->hash || !s->table || !s->dup || !s->ids) {
         PyErr_NoMemory();
         return -1;
     }
@@ -179,18 +316,17 @@ static PyObject *Pool_lookup(Pool *s, PyObject *args) {
     if (max_blocks < m) m = max_blocks;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyList_New(0);
+    prefetch_start(s, items, m);
     for (Py_ssize_t i = 0; out != NULL && i < m; i++) {
-        PyObject *v = PyDict_GetItemWithError(s->cached, items[i]);
-        if (v == NULL) {
-            if (PyErr_Occurred()) Py_CLEAR(out);
+        prefetch_step(s, items, i, m);
+        int32_t b = map_get(s, items[i]);
+        if (b <= 0) {
+            if (b < 0) Py_CLEAR(out);
             break;
         }
-        if (!PyLong_CheckExact(v)) { /* several blocks hold it: the first serves the hit */
-            Py_ssize_t pos = 0;
-            PyObject *val;
-            PyDict_Next(v, &pos, &v, &val);
-        }
-        if (PyList_Append(out, v) < 0) Py_CLEAR(out);
+        PyObject *id = block_id(s, b);
+        if (id == NULL || PyList_Append(out, id) < 0) Py_CLEAR(out);
+        Py_XDECREF(id);
     }
     Py_DECREF(seq);
     return out;
@@ -250,7 +386,7 @@ static PyObject *Pool_take(Pool *s, PyObject *arg) {
         unlink_block(s, b);
         s->ref[b] = 1;
         s->n_free--;
-        PyObject *id = PyLong_FromLong(b);
+        PyObject *id = block_id(s, b);
         if (id == NULL) goto fail;
         PyList_SET_ITEM(out, i, id);
         PyObject *h = s->hash[b];
@@ -289,9 +425,11 @@ static PyObject *Pool_cache(Pool *s, PyObject *args) {
     out = PyList_New(m);
     if (out == NULL) goto done;
     PyObject **bi = PySequence_Fast_ITEMS(bs), **hi = PySequence_Fast_ITEMS(hs);
+    prefetch_start(s, hi, m);
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t b;
         PyObject *h = hi[i];
+        prefetch_step(s, hi, i, m);
         PyObject *x = h64_of(h);
         if (x == NULL || block_arg(s, bi[i], &b) < 0) {
             Py_XDECREF(x);
@@ -398,15 +536,42 @@ static PyObject *Pool_hashes(Pool *s, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *Pool_clear_hashes(Pool *s, PyObject *Py_UNUSED(ignored)) {
     for (Py_ssize_t i = 0; i < s->n; i++) Py_CLEAR(s->hash[i]);
-    PyDict_Clear(s->cached);
+    memset(s->table, 0, s->size * sizeof(Slot));
+    memset(s->dup, 0, (size_t)s->n * sizeof(int32_t));
     Py_RETURN_NONE;
 }
 
 static PyObject *Pool_get_n_free(Pool *s, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(s->n_free); }
+/* The map as a dict (hash -> block id, or {block id: None} in order when several blocks hold it): a copy, for readers
+ * that want all of it (invariants, tests). */
 static PyObject *Pool_get_cached(Pool *s, void *Py_UNUSED(closure)) {
-    Py_INCREF(s->cached);
-    return s->cached;
+    PyObject *out = PyDict_New();
+    for (size_t i = 0; out != NULL && i < s->size; i++) {
+        Slot *e = &s->table[i];
+        if (e->head == 0) continue;
+        PyObject *v;
+        if (s->dup[e->head] == 0) {
+            v = PyLong_FromLong(e->head);
+        } else {
+            v = PyDict_New();
+            for (int32_t b = e->head; v != NULL && b != 0; b = s->dup[b]) {
+                PyObject *k = PyLong_FromLong(b);
+                if (k == NULL || PyDict_SetItem(v, k, Py_None) < 0) Py_CLEAR(v);
+                Py_XDECREF(k);
+            }
+        }
+        if (v == NULL || PyDict_SetItem(out, e->key, v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
 }
+
+static int Pool_contains(Pool *s, PyObject *h) {
+    int32_t b = map_get(s, h);
+    return b < 0 ? -1 : b > 0;
+}
+
+static PySequenceMethods Pool_as_sequence = {.sq_contains = (objobjproc)Pool_contains};
 static PyObject *Pool_get_n(Pool *s, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(s->n); }
 
 static PyMethodDef Pool_methods[] = {
@@ -430,7 +595,7 @@ static PyMethodDef Pool_methods[] = {
 
 static PyGetSetDef Pool_getset[] = {
     {"n_free", (getter)Pool_get_n_free, NULL, "free blocks", NULL},
-    {"cached", (getter)Pool_get_cached, NULL, "hash -> block id or {block id: None}", NULL},
+    {"cached", (getter)Pool_get_cached, NULL, "a copy of the map: hash -> block id or {block id: None}", NULL},
     {"num_blocks", (getter)Pool_get_n, NULL, "blocks, the null block included", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -445,6 +610,7 @@ static PyTypeObject PoolType = {
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_methods = Pool_methods,
     .tp_getset = Pool_getset,
+    .tp_as_sequence = &Pool_as_sequence,
 };
 
 /* ---- the CPU tier ---------------------------------------------------------------------------------------------- */

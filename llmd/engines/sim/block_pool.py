@@ -26,10 +26,12 @@ from llmd.kv.events import MASK64, hash64
 
 class BlockPoolLike(Protocol):
     num_blocks: int
-    cached: dict[bytes, Any]
 
     @property
+    def cached(self) -> dict[bytes, Any]: ...  # the hash -> block map (the C pool's: a copy, made when read)
+    @property
     def n_free(self) -> int: ...
+    def __contains__(self, h: object) -> bool: ...
     def lookup(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]: ...
     def num_evictable(self, blocks: Sequence[int]) -> int: ...
     def touch(self, blocks: Sequence[int]) -> None: ...
@@ -86,6 +88,9 @@ class PyBlockPool:
     @property
     def n_free(self) -> int:
         return self._n_free
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.cached
 
     def lookup(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
         # One lookup per block in C (map), past the first miss too: prompts mostly hit most of their blocks.

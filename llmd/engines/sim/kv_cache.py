@@ -59,7 +59,6 @@ class KVCacheManager:
         # index) ends in the same state; the cluster simulator saves an event object and an index call per block.
         self.coalesce_events = coalesce_events
         self.pool = make_pool(num_gpu_blocks)  # ref counts, free queue, hashes, hash map (block_pool.py)
-        self.cached = self.pool.cached
         self.events: list[KVCacheEvent] = []
 
         self.cpu_capacity = num_cpu_blocks
@@ -149,11 +148,11 @@ class KVCacheManager:
 
     def lookup_cached(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `block_hashes` this engine holds (GPU cache or CPU tier): serves P2P pulls."""
-        cached = self.cached
+        pool = self.pool
         cpu = self.cpu
         n = 0
         for h in block_hashes:
-            if h not in cached and h not in cpu:
+            if h not in pool and h not in cpu:
                 break
             n += 1
         return n
@@ -351,11 +350,12 @@ class KVCacheManager:
         assert len(queue) == len(set(queue)) == self.pool.n_free, "free queue holds a block twice or miscounts"
         assert free == set(queue), "free queue disagrees with ref counts"
         block_hash = self.pool.hashes()
-        for h, v in self.cached.items():
+        cached = self.pool.cached
+        for h, v in cached.items():
             ids = [v] if type(v) is int else list(v)
             for b in ids:
                 assert block_hash[b] == h, "cached map points at a block with another hash"
         n_hashed = sum(1 for h in block_hash if h is not None)
-        n_mapped = sum(1 if type(v) is int else len(v) for v in self.cached.values())
+        n_mapped = sum(1 if type(v) is int else len(v) for v in cached.values())
         assert n_hashed == n_mapped, "hashed blocks and cache map entries differ"
         assert len(self.cpu) <= self.cpu_capacity
