@@ -653,6 +653,8 @@ static PyObject *Core_ensure_holders(Core *c, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+#define PREFETCH_AHEAD 8
+
 /* Fill `out` with the 64-bit forms of a sequence of ints; returns its length or -1. */
 static Py_ssize_t read_keys(PyObject *seq, uint64_t **out) {
     PyObject *fast = PySequence_Fast(seq, "block hashes must be a sequence of ints");
@@ -665,7 +667,11 @@ static Py_ssize_t read_keys(PyObject *seq, uint64_t **out) {
         PyErr_NoMemory();
         return -1;
     }
+    /* Each key is an int object of its own, read once: ask for them ahead (a tuple of a request's keys is thousands
+     * of objects, made when their turns were, so not all in cache). */
+    for (Py_ssize_t i = 0; i < n && i < 2 * PREFETCH_AHEAD; i++) __builtin_prefetch(items[i]);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + 2 * PREFETCH_AHEAD < n) __builtin_prefetch(items[i + 2 * PREFETCH_AHEAD]);
         uint64_t v = PyLong_AsUnsignedLongLongMask(items[i]);
         if (v == (uint64_t)-1 && PyErr_Occurred()) {
             PyMem_Free(keys);
@@ -678,8 +684,6 @@ static Py_ssize_t read_keys(PyObject *seq, uint64_t **out) {
     *out = keys;
     return n;
 }
-
-#define PREFETCH_AHEAD 8
 
 static int store_keys(Core *c, const uint64_t *keys, Py_ssize_t n, uint32_t bit) {
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_slot(c, keys[i]);
