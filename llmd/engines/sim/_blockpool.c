@@ -640,14 +640,18 @@ static inline size_t tier_home(Tier *t, PyObject *k, int *err) {
     return (size_t)hv & t->mask;
 }
 
-/* The table index holding h's slot, or -1 if absent; -2 on error. */
-static Py_ssize_t tier_find(Tier *t, PyObject *h) {
+/* The table index holding h's slot, or -1 if absent (*empty: the free index where its probe ended, where an insert
+ * puts it); -2 on error. */
+static Py_ssize_t tier_probe(Tier *t, PyObject *h, size_t *empty) {
     int err = 0;
     size_t i = tier_home(t, h, &err);
     if (err) return -2;
     for (;;) {
         int32_t s = t->table[i];
-        if (s == 0) return -1;
+        if (s == 0) {
+            *empty = i;
+            return -1;
+        }
         PyObject *k = t->key[s - 1];
         if (k == h) return (Py_ssize_t)i;
         if (PyBytes_CheckExact(k) && PyBytes_CheckExact(h)) {
@@ -660,6 +664,21 @@ static Py_ssize_t tier_find(Tier *t, PyObject *h) {
             if (eq) return (Py_ssize_t)i;
         }
         i = (i + 1) & t->mask;
+    }
+}
+
+/* The table index holding h's slot, or -1 if absent; -2 on error. */
+static inline Py_ssize_t tier_find(Tier *t, PyObject *h) {
+    size_t empty;
+    return tier_probe(t, h, &empty);
+}
+
+/* As prefetch_slot_of, for the tier's table. */
+static inline void tier_prefetch_slot_of(const Tier *t, PyObject *h) {
+    if (PyBytes_CheckExact(h)) {
+        Py_hash_t hv = PyObject_Hash(h);
+        if (hv != -1) __builtin_prefetch(&t->table[(size_t)hv & t->mask]);
+        else PyErr_Clear();
     }
 }
 
@@ -687,18 +706,14 @@ static int tier_table_delete(Tier *t, size_t i) {
     return 0;
 }
 
-static int tier_insert(Tier *t, PyObject *h) {
+/* h into the tier at free table index i (where its probe ended: tier_probe's *empty), in a new slot at the LRU back. */
+static void tier_insert_at(Tier *t, PyObject *h, size_t i) {
     int32_t s = t->n_spare ? t->spare[--t->n_spare] : (int32_t)t->hwm++;
-    int err = 0;
-    size_t i = tier_home(t, h, &err);
-    if (err) return -1;
-    while (t->table[i] != 0) i = (i + 1) & t->mask;
     t->table[i] = s + 1;
     Py_INCREF(h);
     t->key[s] = h;
     tier_link_back(t, s);
     t->len++;
-    return 0;
 }
 
 static void Tier_dealloc(Tier *t) {
@@ -808,17 +823,23 @@ static PyObject *Tier_store(Tier *t, PyObject *hashes) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *kept = NULL, *evicted = NULL, *result = NULL;
     int32_t S = (int32_t)t->cap;
-    char *present = PyMem_Calloc((size_t)m + 1, 1);
+    /* Per hash of the job, the slot holding it already (marked: eviction passes over it), -1 for a new one. */
+    int32_t *present = PyMem_Malloc(((size_t)m + 1) * sizeof(int32_t));
     if (present == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    for (Py_ssize_t i = 0; i < m; i++) present[i] = -1;
+    for (Py_ssize_t i = 0; i < m && i < 2 * PF_AHEAD; i++) __builtin_prefetch(items[i]);
+    for (Py_ssize_t i = 0; i < m && i < PF_AHEAD; i++) tier_prefetch_slot_of(t, items[i]);
     for (Py_ssize_t i = 0; i < m; i++) {
+        if (i + 2 * PF_AHEAD < m) __builtin_prefetch(items[i + 2 * PF_AHEAD]);
+        if (i + PF_AHEAD < m) tier_prefetch_slot_of(t, items[i + PF_AHEAD]);
         Py_ssize_t f = tier_find(t, items[i]);
         if (f == -2) goto done;
         if (f >= 0) {
-            present[i] = 1;
-            t->mark[t->table[f] - 1] = 1;
+            present[i] = t->table[f] - 1;
+            t->mark[present[i]] = 1;
         } else {
             n_new++;
         }
@@ -867,25 +888,24 @@ static PyObject *Tier_store(Tier *t, PyObject *hashes) {
         if (kept == NULL) goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (present[i]) continue;
+        if (present[i] >= 0) continue;
         if (kept != NULL) {
             PyObject *ix = PyLong_FromSsize_t(i);
             int rc = ix == NULL ? -1 : PyList_Append(kept, ix);
             Py_XDECREF(ix);
             if (rc < 0) goto done;
         }
-        Py_ssize_t f = tier_find(t, items[i]);
+        size_t at;
+        Py_ssize_t f = tier_probe(t, items[i], &at);
         if (f == -2) goto done;
         if (f >= 0) continue; /* a hash twice in one job: stored once, where it first came */
-        if (tier_insert(t, items[i]) < 0) goto done;
+        tier_insert_at(t, items[i], at);
     }
     result = Py_BuildValue("(OO)", kept != NULL ? kept : Py_None, evicted);
 done:
     if (present != NULL) {
         for (Py_ssize_t i = 0; i < m; i++) {
-            if (!present[i]) continue;
-            Py_ssize_t f = tier_find(t, items[i]);
-            if (f >= 0) t->mark[t->table[f] - 1] = 0;
+            if (present[i] >= 0) t->mark[present[i]] = 0; /* eviction passed over it: still its slot */
         }
         PyMem_Free(present);
     }
