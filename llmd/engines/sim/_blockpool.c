@@ -460,7 +460,21 @@ static PyObject *Pool_free_reversed(Pool *s, PyObject *blocks) {
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     int32_t S = (int32_t)s->n, front = S;
+    /* Tail first: each block's id object, then its ref count and links, asked for ahead (as prefetch_step). */
+    for (Py_ssize_t j = m - 1; j >= 0 && j >= m - 2 * PF_AHEAD; j--) __builtin_prefetch(items[j]);
     for (Py_ssize_t i = m - 1; i >= 0; i--) {
+        if (i >= 2 * PF_AHEAD) __builtin_prefetch(items[i - 2 * PF_AHEAD]);
+        if (i >= PF_AHEAD && PyLong_CheckExact(items[i - PF_AHEAD])) {
+            long a = PyLong_AsLong(items[i - PF_AHEAD]);
+            if (a >= 1 && a < s->n) {
+                __builtin_prefetch(&s->ref[a], 1);
+                __builtin_prefetch(&s->prev[a], 1);
+                __builtin_prefetch(&s->next[a], 1);
+                __builtin_prefetch(&s->hash[a]);
+            } else if (a == -1 && PyErr_Occurred()) {
+                PyErr_Clear(); /* too large: block_arg reports it when the loop gets there */
+            }
+        }
         int32_t b;
         if (block_arg(s, items[i], &b) < 0) {
             Py_DECREF(seq);
