@@ -7,8 +7,9 @@
  * State: ref counts, the free queue as vLLM's FreeKVCacheBlockQueue (a doubly linked list through `prev`/`next`,
  * sentinel at index n: next[n] is the front, evicted first), each block's hash (a bytes object or NULL), and the hash
  * -> block map: an open-addressing table of slots (the hash, 32 bits of its Python hash, the first block holding it,
- * which serves hits; linear probing, backward-shift deletion), and the other blocks holding one hash (rare) in insertion
- * order through `dup`. Python readers (P2P lookups, invariants) ask `in` or read `cached`, a dict made on request.
+ * which serves hits; linear probing, backward-shift deletion), and the other blocks holding one hash (rare) in
+ * insertion order through `dup`. Python readers (P2P lookups, invariants) ask `in` or read `cached`, a dict made on
+ * request.
  *
  * Why not a dict: a lookup in one reads its index, then its entry, then the block id's int object (three cache
  * misses a block, on 544 ranks' maps that no cache holds); a slot holds all the probe compares and answers, in one.
@@ -33,7 +34,8 @@ typedef struct {
 } Pool;
 
 /* A map slot, 16 bytes: empty while head is 0 (block 0 is the null block, never hashed). `key` is borrowed from
- * hash[head]; `hv` is 32 bits of its Python hash (slot_hash), which pick its home slot and are compared before the key. */
+ * hash[head]; `hv` is 32 bits of its Python hash (slot_hash), which pick its home slot and are compared before the
+ * key. */
 typedef struct Slot {
     PyObject *key;
     uint32_t hv;
@@ -69,24 +71,32 @@ static inline PyObject *block_id(Pool *s, int32_t b) {
  * way) overlaps them. Only bytes objects are hashed early: nothing runs that the pass itself would not run. */
 #define PF_AHEAD 8
 
-static inline void prefetch_slot_of(const Pool *s, PyObject *h) {
+/* Where a table (the pool's map, the CPU tier's) keeps the entry a hash starts its probe at. */
+typedef const void *(*SlotOf)(const void *table, Py_hash_t hv);
+
+static inline void prefetch_slot_of(const void *table, SlotOf slot_of, PyObject *h) {
     if (PyBytes_CheckExact(h)) {
         Py_hash_t hv = PyObject_Hash(h); /* a bytes object's hash: computed once, then read back */
-        if (hv != -1) __builtin_prefetch(&s->table[home_of(slot_hash(hv), s->size)]);
+        if (hv != -1) __builtin_prefetch(slot_of(table, hv));
         else PyErr_Clear(); /* (cannot fail for bytes; the lookup proper reports any error) */
     }
 }
 
 /* Before the pass over items[0:m]: the first objects and slots on their way. */
-static inline void prefetch_start(const Pool *s, PyObject **items, Py_ssize_t m) {
+static inline void prefetch_start(const void *table, SlotOf slot_of, PyObject **items, Py_ssize_t m) {
     for (Py_ssize_t j = 0; j < m && j < 2 * PF_AHEAD; j++) __builtin_prefetch(items[j]);
-    for (Py_ssize_t j = 0; j < m && j < PF_AHEAD; j++) prefetch_slot_of(s, items[j]);
+    for (Py_ssize_t j = 0; j < m && j < PF_AHEAD; j++) prefetch_slot_of(table, slot_of, items[j]);
 }
 
 /* At block i of the pass: the object 2 * PF_AHEAD ahead and the slot PF_AHEAD ahead on their way. */
-static inline void prefetch_step(const Pool *s, PyObject **items, Py_ssize_t i, Py_ssize_t m) {
+static inline void prefetch_step(const void *table, SlotOf slot_of, PyObject **items, Py_ssize_t i, Py_ssize_t m) {
     if (i + 2 * PF_AHEAD < m) __builtin_prefetch(items[i + 2 * PF_AHEAD]);
-    if (i + PF_AHEAD < m) prefetch_slot_of(s, items[i + PF_AHEAD]);
+    if (i + PF_AHEAD < m) prefetch_slot_of(table, slot_of, items[i + PF_AHEAD]);
+}
+
+static const void *pool_slot(const void *pool, Py_hash_t hv) {
+    const Pool *s = pool;
+    return &s->table[home_of(slot_hash(hv), s->size)];
 }
 
 /* ---- 64-bit hash form ------------------------------------------------------------------------------------------ */
@@ -137,8 +147,8 @@ static int block_arg(Pool *s, PyObject *o, int32_t *out) {
 
 /* ---- the hash map ----------------------------------------------------------------------------------------------- */
 
-/* 1 if a (a map key) equals h, 0 if not, -1 with an error set: identity first (the engine's requests share their
- * contexts' hash objects), bytes by content, anything else as Python's == (a dict's semantics). */
+/* 1 if a (a key the map or the CPU tier holds) equals h, 0 if not, -1 with an error set: identity first (requests
+ * share their contexts' hash objects), bytes by content, anything else as Python's == (a dict's semantics). */
 static inline int key_eq(PyObject *a, PyObject *h) {
     if (a == h) return 1;
     if (PyBytes_CheckExact(a) && PyBytes_CheckExact(h))
@@ -187,12 +197,19 @@ static void map_delete_slot(Pool *s, size_t i) {
     s->table[i].key = NULL;
 }
 
+/* map_find for h, its hash taken here (*hv: the slot's 32 bits of it). */
+static inline Py_ssize_t map_find_key(Pool *s, PyObject *h, uint32_t *hv, int *found) {
+    Py_hash_t full = PyObject_Hash(h);
+    if (full == -1) return -1;
+    *hv = slot_hash(full);
+    return map_find(s, h, *hv, found);
+}
+
 /* Drops block b (holding hash h) from the map; nothing if it is not there. */
 static int map_remove(Pool *s, int32_t b, PyObject *h) {
-    Py_hash_t hv = PyObject_Hash(h);
-    if (hv == -1) return -1;
+    uint32_t hv;
     int found;
-    Py_ssize_t i = map_find(s, h, slot_hash(hv), &found);
+    Py_ssize_t i = map_find_key(s, h, &hv, &found);
     if (i < 0) return -1;
     if (!found) return 0;
     Slot *e = &s->table[i];
@@ -220,14 +237,13 @@ static int map_remove(Pool *s, int32_t b, PyObject *h) {
 /* Adds block b under hash h (the caller makes hash[b] = h): the first block holding h serves hits, later ones queue
  * behind it in order. */
 static int map_add(Pool *s, int32_t b, PyObject *h) {
-    Py_hash_t hv = PyObject_Hash(h);
-    if (hv == -1) return -1;
+    uint32_t hv;
     int found;
-    Py_ssize_t i = map_find(s, h, slot_hash(hv), &found);
+    Py_ssize_t i = map_find_key(s, h, &hv, &found);
     if (i < 0) return -1;
     Slot *e = &s->table[i];
     if (!found) {
-        e->hv = slot_hash(hv);
+        e->hv = hv;
         e->key = h;
         e->head = b;
         s->dup[b] = 0;
@@ -246,10 +262,9 @@ static int map_add(Pool *s, int32_t b, PyObject *h) {
 
 /* The block serving hits on h, 0 if none; -1 on error. */
 static inline int32_t map_get(Pool *s, PyObject *h) {
-    Py_hash_t hv = PyObject_Hash(h);
-    if (hv == -1) return -1;
+    uint32_t hv;
     int found;
-    Py_ssize_t i = map_find(s, h, slot_hash(hv), &found);
+    Py_ssize_t i = map_find_key(s, h, &hv, &found);
     if (i < 0) return -1;
     return found ? s->table[i].head : 0;
 }
@@ -316,9 +331,9 @@ static PyObject *Pool_lookup(Pool *s, PyObject *args) {
     if (max_blocks < m) m = max_blocks;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyList_New(0);
-    prefetch_start(s, items, m);
+    prefetch_start(s, pool_slot, items, m);
     for (Py_ssize_t i = 0; out != NULL && i < m; i++) {
-        prefetch_step(s, items, i, m);
+        prefetch_step(s, pool_slot, items, i, m);
         int32_t b = map_get(s, items[i]);
         if (b <= 0) {
             if (b < 0) Py_CLEAR(out);
@@ -425,11 +440,11 @@ static PyObject *Pool_cache(Pool *s, PyObject *args) {
     out = PyList_New(m);
     if (out == NULL) goto done;
     PyObject **bi = PySequence_Fast_ITEMS(bs), **hi = PySequence_Fast_ITEMS(hs);
-    prefetch_start(s, hi, m);
+    prefetch_start(s, pool_slot, hi, m);
     for (Py_ssize_t i = 0; i < m; i++) {
         int32_t b;
         PyObject *h = hi[i];
-        prefetch_step(s, hi, i, m);
+        prefetch_step(s, pool_slot, hi, i, m);
         PyObject *x = h64_of(h);
         if (x == NULL || block_arg(s, bi[i], &b) < 0) {
             Py_XDECREF(x);
@@ -666,17 +681,9 @@ static Py_ssize_t tier_probe(Tier *t, PyObject *h, size_t *empty) {
             *empty = i;
             return -1;
         }
-        PyObject *k = t->key[s - 1];
-        if (k == h) return (Py_ssize_t)i;
-        if (PyBytes_CheckExact(k) && PyBytes_CheckExact(h)) {
-            if (PyBytes_GET_SIZE(k) == PyBytes_GET_SIZE(h) &&
-                memcmp(PyBytes_AS_STRING(k), PyBytes_AS_STRING(h), (size_t)PyBytes_GET_SIZE(h)) == 0)
-                return (Py_ssize_t)i;
-        } else {
-            int eq = PyObject_RichCompareBool(k, h, Py_EQ);
-            if (eq < 0) return -2;
-            if (eq) return (Py_ssize_t)i;
-        }
+        int eq = key_eq(t->key[s - 1], h);
+        if (eq < 0) return -2;
+        if (eq) return (Py_ssize_t)i;
         i = (i + 1) & t->mask;
     }
 }
@@ -687,13 +694,9 @@ static inline Py_ssize_t tier_find(Tier *t, PyObject *h) {
     return tier_probe(t, h, &empty);
 }
 
-/* As prefetch_slot_of, for the tier's table. */
-static inline void tier_prefetch_slot_of(const Tier *t, PyObject *h) {
-    if (PyBytes_CheckExact(h)) {
-        Py_hash_t hv = PyObject_Hash(h);
-        if (hv != -1) __builtin_prefetch(&t->table[(size_t)hv & t->mask]);
-        else PyErr_Clear();
-    }
+static const void *tier_slot(const void *tier, Py_hash_t hv) {
+    const Tier *t = tier;
+    return &t->table[(size_t)hv & t->mask];
 }
 
 static inline void tier_link_back(Tier *t, int32_t s) { list_insert_after(t->prev, t->next, t->prev[t->cap], s); }
@@ -844,11 +847,9 @@ static PyObject *Tier_store(Tier *t, PyObject *hashes) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) present[i] = -1;
-    for (Py_ssize_t i = 0; i < m && i < 2 * PF_AHEAD; i++) __builtin_prefetch(items[i]);
-    for (Py_ssize_t i = 0; i < m && i < PF_AHEAD; i++) tier_prefetch_slot_of(t, items[i]);
+    prefetch_start(t, tier_slot, items, m);
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (i + 2 * PF_AHEAD < m) __builtin_prefetch(items[i + 2 * PF_AHEAD]);
-        if (i + PF_AHEAD < m) tier_prefetch_slot_of(t, items[i + PF_AHEAD]);
+        prefetch_step(t, tier_slot, items, i, m);
         Py_ssize_t f = tier_find(t, items[i]);
         if (f == -2) goto done;
         if (f >= 0) {
